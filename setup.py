@@ -1,0 +1,37 @@
+"""ppo-core: a small, exact PPO library for language models with fused Triton kernels.
+
+    pip install -e .            # the library and the `ppo-train` / `ppo-plan` commands
+    pip install -e ".[test]"    # + pytest and transformers (used only as a reference in tests)
+"""
+from setuptools import setup
+
+setup(
+    name="ppo-core",
+    version="0.1.0",
+    description="PPO for language models: hand-written model, algorithm and loop, fused Triton kernels",
+    python_requires=">=3.10",
+    # `kernels/` is installed under the import name `ppo_kernels`: a top-level module called
+    # `kernels` would clash with an existing PyPI package of that name.
+    packages=["ppo_core", "ppo_kernels"],
+    package_dir={"ppo_core": "ppo_core", "ppo_kernels": "kernels"},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "numpy>=1.24",
+        "jinja2>=3.1",
+        "tqdm>=4.60",
+        "tomli>=2.0; python_version < '3.11'",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "transformers>=4.56"],
+        "modal": ["modal>=1.0"],
+    },
+    entry_points={
+        "console_scripts": [
+            "ppo-train=ppo_core.train:main",
+        ],
+    },
+)
