@@ -1,0 +1,317 @@
+"""The PPO math for language models: GAE, KL estimators, masked statistics, losses, KL controllers.
+
+Pure functions, tensors in and tensors out; the training loop lives elsewhere. Every tensor is `[B, T]`
+over response tokens, with a float `mask` of 0/1 (1 = a token the policy produced). The mask may have holes
+(e.g. tool-output tokens mid-response): those positions are skipped, and rows may be fully masked.
+Masked positions of every `[B, T]` output hold 0.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+# ---------------------------------------------------------------- masked statistics
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over positions where mask == 1 (TRL / OpenRLHF). An empty mask gives 0, not NaN.
+
+    x, mask: [B, T]. dim: None (all elements, 0-dim result) or a dim to reduce.
+    """
+    total = (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    # counts are integers, so clamp(min=1) only changes the empty case, where total is 0
+    return total / count.clamp(min=1)
+
+
+def masked_var(x, mask, unbiased=True):
+    """Variance of x over mask == 1, with Bessel's correction n / (n - 1) when unbiased (TRL).
+
+    Returns a 0-dim tensor; n <= 1 gives 0 (TRL raises instead; 0 keeps this free of host syncs).
+    """
+    mean = masked_mean(x, mask)
+    # Var = E[(x - E[x])^2]
+    variance = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        variance = variance * n / (n - 1).clamp(min=1)
+    return variance
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """(x - mean) / sqrt(var + 1e-8) over mask == 1; var unbiased; mean added back if not shift_mean.
+
+    The 1e-8 inside the rsqrt (as in TRL) keeps a constant batch finite. Returns [B, T], 0 where masked.
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+# ---------------------------------------------------------------- advantages and KL
+
+@torch.no_grad()
+def gae(rewards, values, mask, gamma, lam):
+    """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438), reverse time over T.
+
+    rewards, values, mask: [B, T] (float32 in, float32 out; float64 works too).
+    Masked positions are transparent: their reward and value are ignored and the running "next value" and
+    advantage pass through them unchanged, so the last real token before a hole bootstraps from the first
+    real token after it. After a row's last real token the next value is 0 (the episode ends).
+    Returns (advantages, returns), both [B, T] and 0 at masked positions; returns = advantages + values.
+    No whitening here. Runs under no_grad: advantages are constants of the PPO objective.
+    """
+    B, T = rewards.shape
+    real = mask > 0  # [B, T] bool
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # [B] V_{t+1}, 0 = terminal
+    next_adv = torch.zeros(B, dtype=values.dtype, device=values.device)  # [B] A_{t+1}
+    advantages = torch.zeros_like(values)  # [B, T]
+    for t in reversed(range(T)):
+        # delta_t = r_t + gamma * V_{t+1} - V_t
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        # A_t = delta_t + gamma * lam * A_{t+1}
+        adv_t = delta + gamma * lam * next_adv
+        next_adv = torch.where(real[:, t], adv_t, next_adv)
+        next_value = torch.where(real[:, t], values[:, t], next_value)
+        advantages[:, t] = torch.where(real[:, t], adv_t, 0.0)
+    returns = torch.where(real, advantages + values, 0.0)
+    return advantages, returns
+
+
+def kl_estimate(logp, ref_logp, kind):
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman, "Approximating KL").
+
+    logp, ref_logp: [B, T] log-probs of the sampled tokens. kind: "k1" | "k2" | "k3". Returns [B, T].
+    k3 is not clamped: a log-ratio beyond ~88 overflows float32 in exp.
+    """
+    if kind == "k1":
+        # k1 = log pi - log ref  (unbiased, high variance, can be negative)
+        return logp - ref_logp
+    if kind == "k2":
+        # k2 = 1/2 (log pi - log ref)^2
+        return 0.5 * (logp - ref_logp) ** 2
+    if kind == "k3":
+        # k3 = exp(log ref - log pi) - (log ref - log pi) - 1  (unbiased, >= 0)
+        log_ratio = ref_logp - logp
+        return torch.exp(log_ratio) - log_ratio - 1
+    raise ValueError(f"kl_estimate: kind must be one of 'k1', 'k2', 'k3', got {kind!r}")
+
+
+# ---------------------------------------------------------------- loss aggregation
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate(loss_mat, mask, mode, *, num_tokens=None, num_seqs=None, norm_const=None):
+    """Reduce a [B, T] per-token loss to a scalar.
+
+    token-mean:              sum(loss * mask) / num_tokens
+    seq-mean-token-mean:     sum_i [sum_t loss_it * mask_it / n_i] / num_seqs
+    seq-mean-token-sum:      sum_i [sum_t loss_it * mask_it] / num_seqs
+    seq-mean-token-sum-norm: sum_i [sum_t loss_it * mask_it] / (num_seqs * norm_const)   (Dr. GRPO,
+                             arXiv:2503.20783: the seq-mean of token sums over a constant, by default the
+                             padded response length mask.shape[-1])
+    n_i is the real-token count of row i. Fully masked rows are left out of the sums and of num_seqs.
+    num_tokens / num_seqs default to the local counts (real tokens / non-empty rows); pass GLOBAL counts
+    (over accumulation microbatches and ranks) so that the per-microbatch losses sum to the full-batch loss.
+    (DDP averages gradients over ranks, so multiply by the world size there.) An empty batch gives 0 with
+    zero gradients.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"aggregate: mode must be one of {AGG_MODES}, got {mode!r}")
+    token_sum = (loss_mat * mask).sum(-1)  # [B]
+    if mode == "token-mean":
+        if num_tokens is None:
+            num_tokens = mask.sum()
+        return token_sum.sum() / _count(num_tokens, token_sum)
+    tokens_per_seq = mask.sum(-1)  # [B]
+    seq_mask = (tokens_per_seq > 0).to(token_sum.dtype)  # [B] 1 = row has a real token
+    if num_seqs is None:
+        num_seqs = seq_mask.sum()
+    if mode == "seq-mean-token-mean":
+        seq_losses = token_sum / tokens_per_seq.clamp(min=1)  # [B]
+        return (seq_losses * seq_mask).sum() / _count(num_seqs, token_sum)
+    seq_mean = token_sum.sum() / _count(num_seqs, token_sum)  # empty rows add 0 to the sum
+    if mode == "seq-mean-token-sum":
+        return seq_mean
+    return seq_mean / (mask.shape[-1] if norm_const is None else norm_const)
+
+
+def _count(count, like):
+    """A token or sequence count as a tensor, at least 1 (an empty batch then gives 0 / 1 = 0)."""
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+# ---------------------------------------------------------------- losses
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None):
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), optional dual clip.
+
+    logp: [B, T] log-probs under the current policy (with grad); old_logp: [B, T] at sampling time;
+    advantages: [B, T]; mask: [B, T]. clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
+    dual_clip: None, or c > 1 capping the loss of A < 0 tokens at c * |A| (Ye et al. 2020, arXiv:1912.09729).
+    agg, num_tokens, num_seqs, norm_const: see `aggregate`.
+    Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local tokens):
+      clipfrac       fraction of real tokens where the clipped branch is strictly larger (pg_loss2 > pg_loss1)
+      dual_clipfrac  (only with dual_clip) fraction of real tokens where the dual cap is strictly active
+      approx_kl      k3 estimate of KL(old || new): (r - 1) - log r, r = pi_new / pi_old
+      ratio_mean     mean ratio; ratio_max_dev: max |ratio - 1| over real tokens (0 if none)
+    """
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"policy_loss: dual_clip must be > 1 or None, got {dual_clip}")
+    # the clamp keeps exp finite when the policies have drifted far apart (it has zero gradient there)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), a loss to minimise
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg_loss1, pg_loss2)
+    stats = {"clipfrac": masked_mean((pg_loss2 > pg_loss1).to(ratio.dtype), mask)}
+    if dual_clip is not None:
+        # for A < 0: L = min(L^CLIP, -A c) = min(L^CLIP, c |A|)
+        pg_loss3 = -advantages * dual_clip
+        negative = advantages < 0
+        stats["dual_clipfrac"] = masked_mean((negative & (pg_losses > pg_loss3)).to(ratio.dtype), mask)
+        pg_losses = torch.where(negative, torch.minimum(pg_losses, pg_loss3), pg_losses)
+    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    with torch.no_grad():
+        # KL(old || new) ~ E_old[(r - 1) - log r]  (k3, >= 0 per token)
+        stats["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask)
+        stats["ratio_mean"] = masked_mean(ratio, mask)
+        stats["ratio_max_dev"] = torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean",
+               num_tokens=None, num_seqs=None, norm_const=None):
+    """Clipped value loss (as in OpenAI baselines ppo2 / TRL).
+
+    values: [B, T] current predictions (with grad); old_values: [B, T] at sampling time; returns: [B, T]
+    targets; mask: [B, T]. clip: max move of values away from old_values, None = plain squared error.
+    Returns (loss: 0-dim, stats): clipfrac (fraction of real tokens where the clipped branch is strictly
+    larger), values_mean (masked mean of values); both detached 0-dim tensors.
+    """
+    vf_losses1 = (values - returns) ** 2
+    if clip is None:
+        vf_losses = vf_losses1
+        clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        # V_clip = V_old + clip(V - V_old, -eps, eps)
+        v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        vf_losses2 = (v_clipped - returns) ** 2
+        vf_losses = torch.maximum(vf_losses1, vf_losses2)
+        clipfrac = masked_mean((vf_losses2 > vf_losses1).to(values.dtype), mask)
+    # L^V = 1/2 max((V - R)^2, (V_clip - R)^2)
+    loss_mat = 0.5 * vf_losses
+    loss = aggregate(loss_mat, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    stats = {"clipfrac": clipfrac.detach(), "values_mean": masked_mean(values, mask).detach()}
+    return loss, stats
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - values] / Var[returns] over mask == 1, as a Python float (for logging).
+
+    1 = perfect value function, 0 = no better than a constant, < 0 = worse. Returns 0.0 (not NaN) when
+    Var[returns] == 0 or there are fewer than 2 real tokens.
+    """
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask).item()
+        if var_returns == 0.0:
+            return 0.0
+        return 1.0 - masked_var(returns - values, mask).item() / var_returns
+
+
+# ---------------------------------------------------------------- rewards
+
+def per_token_rewards(scores, mask, *, kl=None, kl_coef=0.0, ended_with_eos=None, missing_eos_penalty=None):
+    """Per-token rewards for GAE: a KL penalty on every real token, the sequence score on the last one.
+
+    scores: [B] float, one scalar per response (e.g. a reward model). mask: [B, T].
+    kl: [B, T] per-token KL estimate (the caller computes it, usually kl_estimate(..., "k1")), or None.
+    ended_with_eos: [B] bool; with missing_eos_penalty not None, rows without EOS get score - penalty.
+    Returns rewards [B, T] in scores' dtype: r_t = -kl_coef * kl_t on real tokens, plus the score at the
+    last index where mask == 1 (holes do not matter); padding and fully masked rows get nothing.
+    """
+    B, T = mask.shape
+    real = mask > 0  # [B, T]
+    rewards = torch.zeros((B, T), dtype=scores.dtype, device=scores.device)  # [B, T]
+    if kl is not None:
+        # r_t = -beta * KL_t  (the KL-in-reward formulation, Ziegler et al. 2019)
+        rewards = -kl_coef * kl.to(scores.dtype) * mask
+    if missing_eos_penalty is not None:
+        if ended_with_eos is None:
+            raise ValueError("per_token_rewards: missing_eos_penalty needs ended_with_eos")
+        scores = torch.where(ended_with_eos, scores, scores - missing_eos_penalty)
+    positions = torch.arange(T, device=mask.device).expand(B, T)  # [B, T]
+    last = torch.where(real, positions, 0).amax(-1, keepdim=True)  # [B, 1] last real index
+    score = torch.where(real.any(-1), scores, 0.0).unsqueeze(-1)  # [B, 1], 0 for fully masked rows
+    return rewards.scatter_add(-1, last, score)
+
+
+def normalize_scores(scores, *, whiten=False, clip=None):
+    """Optionally whiten scores [B] over the batch, (s - mean) / (std + 1e-8) with unbiased std, then
+    clamp to [-clip, clip]. A batch of one whitens to 0. Returns scores [B]."""
+    if whiten:
+        ones = torch.ones_like(scores)
+        scores = (scores - scores.mean()) / (masked_var(scores, ones).sqrt() + 1e-8)
+    if clip is not None:
+        scores = torch.clamp(scores, -clip, clip)
+    return scores
+
+
+# ---------------------------------------------------------------- KL coefficient controllers
+
+@dataclass
+class FixedKLController:
+    """A constant KL coefficient beta."""
+    kl_coef: float
+    """beta, the weight of the KL penalty."""
+    value: float = field(init=False)
+
+    def __post_init__(self):
+        self.value = float(self.kl_coef)
+
+    def update(self, current_kl, n_steps):
+        pass
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = float(state["value"])
+
+
+@dataclass
+class AdaptiveKLController:
+    """Adaptive beta steering the measured KL towards a target (Ziegler et al. 2019, arXiv:1909.08593, 2.2)."""
+    init_kl_coef: float
+    """beta at the start of training."""
+    target: float
+    """KL the controller aims for (nats per sequence or per token, as the caller measures current_kl)."""
+    horizon: float
+    """Number of samples over which a 20% error moves beta by 20%."""
+    value: float = field(init=False)
+
+    def __post_init__(self):
+        if self.target <= 0:
+            raise ValueError(f"AdaptiveKLController: target must be > 0, got {self.target}")
+        if self.horizon <= 0:
+            raise ValueError(f"AdaptiveKLController: horizon must be > 0, got {self.horizon}")
+        self.value = float(self.init_kl_coef)
+
+    def update(self, current_kl, n_steps):
+        """current_kl: float or 0-dim tensor, the measured KL; n_steps: samples since the last update."""
+        # e_t = clip(KL / KL_target - 1, -0.2, 0.2)
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        # beta <- beta * (1 + e_t * n_steps / horizon)
+        mult = 1.0 + proportional_error * n_steps / self.horizon
+        self.value *= mult
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = float(state["value"])
