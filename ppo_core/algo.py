@@ -5,7 +5,6 @@ over response tokens, with a float `mask` of 0/1 (1 = a token the policy produce
 (e.g. tool-output tokens mid-response): those positions are skipped, and rows may be fully masked.
 Masked positions of every `[B, T]` output hold 0.
 """
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -286,7 +285,7 @@ class FixedKLController:
 
 @dataclass
 class AdaptiveKLController:
-    """Adaptive beta steering the measured KL towards a target (Ziegler et al. 2019, arXiv:1909.08593, 2.2)."""
+    """A beta that steers the measured KL towards a target (Ziegler et al. 2019, arXiv:1909.08593, 2.2)."""
     init_kl_coef: float
     """beta at the start of training."""
     target: float
