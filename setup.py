@@ -14,7 +14,8 @@ setup(
     # `kernels` would clash with an existing PyPI package of that name.
     packages=["ppo_core", "ppo_kernels"],
     package_dir={"ppo_core": "ppo_core", "ppo_kernels": "kernels"},
-    include_package_data=True,
+    # the tiny SFT checkpoint of the default job ships inside the package, so `ppo-train` works anywhere
+    package_data={"ppo_core": ["demo/reverse-demo/*"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",

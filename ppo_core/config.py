@@ -1,0 +1,270 @@
+"""The run configuration: one flat dataclass, every field documented, loadable from TOML and the command line.
+
+    ppo-train --config configs/default.toml --lr=5e-4 --ppo_epochs 2
+
+Precedence: defaults < the TOML file < command-line overrides. A key that does not exist, a value of the
+wrong type or an impossible value is a `ConfigError` whose message names the key (and, for a typo, the
+closest valid key); the command line turns it into one line on stderr and exit status 2.
+"""
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, fields
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; the message is meant to be shown as is."""
+
+
+@dataclass
+class PPOConfig:
+    # ------------------------------------------------------------------ models and data
+    policy: str = ""
+    """Policy checkpoint directory (HF layout). Empty = the shipped demo checkpoint for the 'reverse' task."""
+    reference: str = ""
+    """Frozen reference checkpoint for the KL penalty. Empty = the policy's initial weights."""
+    critic: str = ""
+    """Critic checkpoint (a *ForSequenceClassification or *ForCausalLM dir). Empty = the policy's backbone with a new zero scalar head."""
+    task: str = "reverse"
+    """Built-in task supplying prompts and reward when no prompts_file / reward_fn is given: 'reverse'."""
+    reward_fn: str = ""
+    """A Python reward callable 'module:function', fn(prompts, responses) -> list[float]. Empty = the task's reward."""
+    prompts_file: str = ""
+    """Training prompts, one per line (or JSONL with a "prompt" field). Empty = the task's prompt stream."""
+    eval_prompts_file: str = ""
+    """Held-out prompts for evaluation, same format. Empty = the task's held-out set."""
+
+    # ------------------------------------------------------------------ rollout
+    iterations: int = 60
+    """Number of PPO iterations (rollout, then ppo_epochs of updates)."""
+    rollout_batch_size: int = 64
+    """Prompts sampled per iteration (one response each), summed over all processes."""
+    max_new_tokens: int = 12
+    """Longest response; a response that has not produced EOS by then is cut."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs for the ratio and KL are taken at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens (0 = off)."""
+
+    # ------------------------------------------------------------------ PPO update
+    ppo_epochs: int = 4
+    """Passes over each rollout batch."""
+    minibatch_size: int = 32
+    """Sequences per optimizer step; rollout_batch_size must be a multiple of it."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward; gradients accumulate over minibatch_size / micro_batch_size of them."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate of the policy."""
+    critic_lr: float = 2e-3
+    """Peak AdamW learning rate of the critic."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, both models."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 10
+    """Optimizer steps of linear LR warm-up from 0."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at min_lr_ratio * lr after the last optimizer step."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm of each model to this (0 = no clipping)."""
+    clip_low: float = 0.2
+    """Policy ratio lower clip: ratio >= 1 - clip_low."""
+    clip_high: float = 0.2
+    """Policy ratio upper clip: ratio <= 1 + clip_high (raise it for 'clip-higher')."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c*|A| (0 = off)."""
+    value_clip: float = 0.2
+    """Critic predictions move at most this far from the rollout's values per update (0 = no clipping)."""
+    loss_agg: str = "token-mean"
+    """How per-token losses are reduced: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    gamma: float = 1.0
+    """Discount factor of GAE."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the rollout batch (masked mean/variance)."""
+
+    # ------------------------------------------------------------------ reward and KL
+    kl_coef: float = 0.02
+    """KL penalty coefficient beta (the initial one when kl_target > 0)."""
+    kl_target: float = 0.0
+    """Adaptive KL control (Ziegler et al.): per-token KL to steer towards; 0 = fixed kl_coef."""
+    kl_horizon: float = 10000.0
+    """Adaptive KL horizon, in samples."""
+    kl_in_reward: bool = True
+    """True: k1 KL folded into the per-token reward. False: kl_loss_kind KL added to the policy loss."""
+    kl_loss_kind: str = "k3"
+    """KL estimator used in the loss when kl_in_reward is False: k1, k2 or k3."""
+    whiten_rewards: bool = False
+    """Whiten the sequence scores over the rollout batch before they enter the rewards."""
+    reward_clip: float = 0.0
+    """Clamp (possibly whitened) scores to [-reward_clip, reward_clip] (0 = off)."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a response that ends without EOS (0 = off)."""
+
+    # ------------------------------------------------------------------ evaluation, logging, saving
+    eval_size: int = 256
+    """Held-out prompts evaluated before and after training (and every eval_every iterations)."""
+    eval_every: int = 0
+    """Evaluate every this many iterations as well (0 = only before and after)."""
+    save_every: int = 0
+    """Write a policy checkpoint every this many iterations (0 = only at the end)."""
+    out: str = ""
+    """Run directory. Empty = runs/<task>-<date>-<time>."""
+    seed: int = 0
+    """Seed of every random stream: prompts, sampling, minibatch order, head initialisation."""
+
+    # ------------------------------------------------------------------ execution
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+    dtype: str = "auto"
+    """Parameter dtype: 'auto' (fp32 on CPU; on GPU fp32 master weights with bf16 autocast), 'float32', 'bfloat16'."""
+    fused_kernels: bool = True
+    """Use ppo_kernels' fused log-prob path; False = the plain torch reference (log_softmax + gather)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    threads: int = 1
+    """torch CPU threads (0 = torch's default, one per core). One is fastest for the tiny demo model."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+
+
+FIELDS = {f.name: f for f in fields(PPOConfig)}
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _unknown_key(key, where):
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+
+
+def _coerce(key, value, from_text):
+    """Convert `value` to the field's type; text from the command line is parsed, TOML values checked."""
+    kind = FIELDS[key].type
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind)
+    if from_text:
+        try:
+            if kind is bool:
+                lowered = value.lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return lowered in ("true", "1", "yes")
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"config key '{key}' expects {kind.__name__}, got {value!r}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"config key '{key}' expects {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def load_toml(path) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def build_config(toml_values: dict | None = None, overrides: dict | None = None, toml_path="") -> PPOConfig:
+    """Defaults < TOML values < command-line overrides (strings), then validated."""
+    values = {}
+    for key, value in (toml_values or {}).items():
+        if isinstance(value, dict):
+            raise ConfigError(f"config file {toml_path}: tables are not used, key '{key}' must be a plain value (the config is flat)")
+        if key not in FIELDS:
+            raise _unknown_key(key, f" in {toml_path}" if toml_path else "")
+        values[key] = _coerce(key, value, from_text=False)
+    for key, value in (overrides or {}).items():
+        if key not in FIELDS:
+            raise _unknown_key(key, "")
+        values[key] = _coerce(key, value, from_text=True)
+    cfg = PPOConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: PPOConfig):
+    """Reject impossible values, naming the field."""
+
+    def need(ok, key, what):
+        if not ok:
+            raise ConfigError(f"config key '{key}' {what}, got {getattr(cfg, key)!r}")
+
+    for key in ("iterations", "rollout_batch_size", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
+        need(getattr(cfg, key) >= 1, key, "must be >= 1")
+    for key in ("lr", "critic_lr", "temperature", "kl_horizon"):
+        need(getattr(cfg, key) > 0, key, "must be > 0")
+    for key in ("weight_decay", "adam_eps", "warmup_steps", "max_grad_norm", "clip_low", "clip_high", "value_clip",
+                "kl_coef", "kl_target", "reward_clip", "missing_eos_penalty", "eval_every", "save_every", "top_k", "threads"):
+        need(getattr(cfg, key) >= 0, key, "must be >= 0")
+    need(cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
+    need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+    need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+    need(0 <= cfg.gamma <= 1, "gamma", "must be in [0, 1]")
+    need(0 <= cfg.lam <= 1, "lam", "must be in [0, 1]")
+    need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1")
+    need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
+    need(cfg.kl_loss_kind in ("k1", "k2", "k3"), "kl_loss_kind", "must be one of k1, k2, k3")
+    need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+    need(cfg.dtype in ("auto", "float32", "bfloat16"), "dtype", "must be auto, float32 or bfloat16")
+    need(cfg.task in ("reverse",), "task", "must be 'reverse' (the built-in task)")
+    need(cfg.minibatch_size <= cfg.rollout_batch_size, "minibatch_size", f"must be <= rollout_batch_size ({cfg.rollout_batch_size})")
+    need(cfg.rollout_batch_size % cfg.minibatch_size == 0, "rollout_batch_size", f"must be a multiple of minibatch_size ({cfg.minibatch_size})")
+    need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
+    need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
+    need(cfg.reward_fn == "" or ":" in cfg.reward_fn, "reward_fn", "must be 'module:function'")
+
+
+def parse_cli(argv: list[str]) -> tuple[dict, dict]:
+    """Split argv into the driver's own flags (--config, --resume) and config overrides.
+
+    Accepts `--key=value` and `--key value`; `--flag` alone sets a bool field to true.
+    """
+    own, overrides = {}, {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r} (options look like --key=value)")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq:
+            is_bool = key in FIELDS and FIELDS[key].type in (bool, "bool")
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if is_bool and (nxt is None or nxt.startswith("--")):
+                value = "true"
+            elif nxt is None or nxt.startswith("--"):
+                raise ConfigError(f"option --{key} needs a value")
+            else:
+                value = nxt
+                i += 1
+        if key in ("config", "resume"):
+            own[key] = value
+        else:
+            if key not in FIELDS:
+                raise _unknown_key(key, "")
+            overrides[key] = value
+        i += 1
+    return own, overrides
+
+
+def to_dict(cfg: PPOConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,423 @@
+"""The PPO training loop: rollout -> score -> rewards -> GAE -> ppo_epochs of clipped updates.
+
+    ppo-train                                    # the default job: the shipped demo checkpoint, CPU, ~2 min
+    ppo-train --config configs/default.toml --iterations=100 --out runs/mine
+    python -m ppo_core.train --lr=5e-4
+
+One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO"):
+  1. rollout:  sample one response per prompt from the policy (KV-cache decoding)
+  2. forward:  old log-probs and entropy (policy), reference log-probs, values (critic), all with the
+               training code path, so the first minibatch's ratio is exactly 1
+  3. score:    the reward function or model gives one scalar per response
+  4. rewards:  r_t = -beta * KL_t on every token, + score on the last real token (ppo_core.algo)
+  5. GAE:      advantages and returns; advantages whitened over the batch
+  6. update:   ppo_epochs over shuffled minibatches, gradient accumulation over micro-batches, clipped
+               surrogate for the policy, clipped value loss for the critic, AdamW, warm-up + cosine LR
+Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
+"""
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import ppo_kernels
+
+from . import algo
+from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli, to_dict
+from .generate import generate
+from .model import CheckpointError, load_model, load_score_model
+from .rewards import RewardError, load_prompts, make_reward_source
+from .tasks import PromptStream, eval_prompts
+from .tokenizer import load_tokenizer
+from . import runlog
+
+IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
+
+
+# ---------------------------------------------------------------------------- log-probs and values
+
+def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused):
+    """Log-probs and entropy of the response tokens under `policy`, at `temperature`.
+
+    input_ids, attention_mask: [B, P+R]; response_mask: [B, R]. Returns logprobs, entropy: [B, R] float32
+    (0 where response_mask is 0). `fused` picks ppo_kernels' LM-head-fused path, which never forms the
+    [B*R, V] logits; the reference path is log_softmax + gather on full logits.
+    """
+    hidden = policy(input_ids, attention_mask, return_hidden=True)[:, prompt_len - 1 : -1]  # [B, R, H]
+    labels = input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)  # [B, R]
+    B, R, H = hidden.shape
+    if fused:
+        logprobs, entropy = ppo_kernels.linear_token_logprobs(
+            hidden.reshape(B * R, H), policy.lm_head.weight, labels.reshape(B * R),
+            temperature=temperature, return_entropy=True)
+    else:
+        logits = policy.lm_head(hidden)  # [B, R, V]
+        logprobs, entropy = ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
+    return logprobs.view(B, R), entropy.view(B, R)
+
+
+def response_values(critic, input_ids, attention_mask, prompt_len):
+    """V(s_t) for each response token t: the critic read at the position that predicts it. -> [B, R]."""
+    return critic(input_ids, attention_mask)[:, prompt_len - 1 : -1]
+
+
+@dataclass
+class Rollout:
+    """One iteration's experience. B sequences, prompts left-padded to P, responses right-padded to R."""
+
+    prompts: list
+    responses: list
+    input_ids: torch.Tensor  # [B, P+R] int64
+    attention_mask: torch.Tensor  # [B, P+R] bool
+    response_mask: torch.Tensor  # [B, R] float32
+    prompt_len: int
+    old_logprobs: torch.Tensor  # [B, R]
+    ref_logprobs: torch.Tensor  # [B, R]
+    old_values: torch.Tensor  # [B, R]
+    entropy: torch.Tensor  # [B, R]
+    scores: torch.Tensor  # [B]
+    rewards: torch.Tensor = None  # [B, R]
+    advantages: torch.Tensor = None  # [B, R]
+    returns: torch.Tensor = None  # [B, R]
+
+
+def encode_prompts(tokenizer, prompts, device):
+    """Left-pad the encoded prompts. -> ids [B, P] int64, mask [B, P] bool."""
+    encoded = [tokenizer.encode(p) for p in prompts]
+    P = max(len(e) for e in encoded)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (P - len(e)) + [1] * len(e) for e in encoded], dtype=torch.bool, device=device)
+    return ids, mask
+
+
+def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False):
+    """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
+    response_mask [B, R], decoded responses, ended_with_eos [B])."""
+    device = next(policy.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    eos = tokenizer.eos_token_id
+    tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
+                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
+                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator)
+    # The response is every token up to and including the first EOS.
+    is_eos = tokens == eos
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # [B, R] strictly after the first EOS
+    response_mask = (~after_eos).float()
+    ended_with_eos = is_eos.any(-1)
+    texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(tokens.cpu(), response_mask.cpu())]
+    return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos
+
+
+@torch.no_grad()
+def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast):
+    policy.eval()
+    prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(policy, tokenizer, prompts, cfg, generator)
+    input_ids = torch.cat([prompt_ids, tokens], dim=1)  # [B, P+R]
+    attention_mask = torch.cat([prompt_mask, response_mask.bool()], dim=1)
+    P = prompt_ids.shape[1]
+    old_logprobs, entropy, ref_logprobs, old_values = [], [], [], []
+    for rows in micro_batches(len(prompts), cfg.micro_batch_size):
+        args = (input_ids[rows], attention_mask[rows], response_mask[rows], P, cfg.temperature, cfg.fused_kernels)
+        with autocast():
+            lp, ent = response_logprobs(policy, *args)
+            ref_lp, _ = response_logprobs(reference, *args)
+            v = response_values(critic, input_ids[rows], attention_mask[rows], P)
+        old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
+    scores = reward_source(prompts, responses)  # [B] float32, validated
+    return Rollout(prompts, responses, input_ids, attention_mask, response_mask, P,
+                   torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(old_values) * response_mask,
+                   torch.cat(entropy), scores.to(input_ids.device)), ended
+
+
+def micro_batches(n, size, order=None):
+    """Index tensors of consecutive chunks of `order` (default 0..n-1)."""
+    order = torch.arange(n) if order is None else order
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------- advantages
+
+def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_with_eos):
+    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> GAE -> whitened advantages."""
+    mask = rollout.response_mask
+    scores = algo.normalize_scores(rollout.scores, whiten=cfg.whiten_rewards, clip=cfg.reward_clip or None)
+    kl = algo.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k1") if cfg.kl_in_reward else None
+    rollout.rewards = algo.per_token_rewards(
+        scores, mask, kl=kl, kl_coef=kl_coef, ended_with_eos=ended_with_eos,
+        missing_eos_penalty=cfg.missing_eos_penalty or None)
+    advantages, rollout.returns = algo.gae(rollout.rewards, rollout.old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = algo.masked_whiten(advantages, mask)
+    rollout.advantages = advantages
+
+
+# ---------------------------------------------------------------------------- the update
+
+def lr_at(step, total_steps, cfg: PPOConfig):
+    """Linear warm-up for warmup_steps, then cosine decay to min_lr_ratio of the peak at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def ppo_update(policy, critic, policy_opt, critic_opt, rollout: Rollout, cfg: PPOConfig, kl_coef, generator,
+               autocast, step_fn):
+    """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic."""
+    policy.train(), critic.train()
+    B, P = rollout.input_ids.shape[0], rollout.prompt_len
+    stats: dict[str, list] = {}
+    first_ratio_dev = None
+    for epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(B, generator=generator)
+        for mb in micro_batches(B, cfg.minibatch_size, order):
+            mask_mb = rollout.response_mask[mb]
+            # Global denominators for the whole minibatch, so the micro-batch losses add up to its loss.
+            num_tokens = mask_mb.sum()
+            num_seqs = (mask_mb.sum(-1) > 0).sum()
+            policy_opt.zero_grad(set_to_none=True)
+            critic_opt.zero_grad(set_to_none=True)
+            for rows in micro_batches(len(mb), cfg.micro_batch_size, mb):
+                ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
+                agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+                with autocast():
+                    logp, _ = response_logprobs(policy, ids, am, rm, P, cfg.temperature, cfg.fused_kernels)
+                pg_loss, pg_stats = algo.policy_loss(
+                    logp, rollout.old_logprobs[rows], rollout.advantages[rows], rm,
+                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, **agg)
+                loss = pg_loss
+                if not cfg.kl_in_reward:
+                    kl_loss = algo.aggregate(algo.kl_estimate(logp, rollout.ref_logprobs[rows], cfg.kl_loss_kind), rm, **agg)
+                    loss = loss + kl_coef * kl_loss
+                    _append(stats, "policy/kl_loss", kl_loss.item())
+                loss.backward()
+                with autocast():
+                    values = response_values(critic, ids, am, P).float()
+                vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
+                                                    clip=cfg.value_clip or None, **agg)
+                vf_loss.backward()
+                if first_ratio_dev is None:
+                    first_ratio_dev = pg_stats["ratio_max_dev"].item()
+                _append(stats, "policy/loss", pg_loss.item())
+                _append(stats, "policy/clipfrac", pg_stats["clipfrac"].item())
+                _append(stats, "policy/approx_kl", pg_stats["approx_kl"].item())
+                _append(stats, "value/loss", vf_loss.item())
+                _append(stats, "value/clipfrac", vf_stats["clipfrac"].item())
+            skipped = step_fn()
+            _append(stats, "train/skipped_updates", float(skipped))
+    out = {k: float(np.mean(v)) for k, v in stats.items()}
+    # The loss pieces were normalised by minibatch totals, so a minibatch's loss is their sum.
+    n_micro = cfg.minibatch_size // cfg.micro_batch_size
+    out["policy/loss"] *= n_micro
+    out["value/loss"] *= n_micro
+    out["policy/first_ratio_max_dev"] = first_ratio_dev
+    return out
+
+
+def _append(stats, key, value):
+    stats.setdefault(key, []).append(value)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False):
+    """Mean reward over held-out prompts, sampling with the run's temperature (or greedily).
+
+    Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise."""
+    policy.eval()
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    scores = []
+    for rows in micro_batches(len(prompts), 256):
+        batch = [prompts[i] for i in rows.tolist()]
+        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy)
+        scores.append(reward_source(batch, texts))
+    return float(torch.cat(scores).mean())
+
+
+# ---------------------------------------------------------------------------- the run
+
+def resolve_device_dtype(cfg):
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else ("cpu" if cfg.device == "auto" else cfg.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'device' is 'cuda' but no CUDA device is available")
+    param_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    use_autocast = device == "cuda" and cfg.dtype == "auto"  # fp32 master weights, bf16 compute
+    return torch.device(device), param_dtype, use_autocast
+
+
+def run(cfg: PPOConfig):
+    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    policy_path = cfg.policy or DEMO_CHECKPOINT
+    device, param_dtype, use_autocast = resolve_device_dtype(cfg)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else _nullcontext
+
+    # Everything that can be wrong with the input is checked before the run directory is touched.
+    tokenizer = load_tokenizer(policy_path)
+    policy = load_model(policy_path, dtype=param_dtype, device=device)
+    reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
+    critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device)
+    if tokenizer.vocab_size > policy.args.vocab_size:
+        raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
+    policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
+    reward_source = make_reward_source(cfg)
+    held_out = load_prompts(cfg.eval_prompts_file) if cfg.eval_prompts_file else eval_prompts(cfg.eval_size, cfg.seed)
+    held_out = held_out[: cfg.eval_size]
+    if cfg.prompts_file:
+        train_prompts = load_prompts(cfg.prompts_file)
+        stream = runlog.ListPromptStream(train_prompts, cfg.seed)
+    else:
+        stream = PromptStream(cfg.seed, held_out)
+    max_prompt = max(len(tokenizer.encode(p)) for p in held_out)
+    if max_prompt + cfg.max_new_tokens > policy.args.max_position_embeddings:
+        raise ConfigError(f"config key 'max_new_tokens': prompts of {max_prompt} tokens + {cfg.max_new_tokens} new tokens "
+                          f"exceed the model's context of {policy.args.max_position_embeddings}")
+
+    run_dir = runlog.RunDir.create(cfg, policy_path)
+    log = runlog.Logger(run_dir, progress=cfg.progress)
+
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def adamw(model, lr):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                 betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+
+    policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
+    steps_per_iter = cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
+    total_steps = cfg.iterations * steps_per_iter
+    kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
+              else algo.FixedKLController(cfg.kl_coef))
+    opt_step = 0
+
+    def step_fn():
+        """One optimizer step for both models; a non-finite gradient skips it (no weight touched)."""
+        nonlocal opt_step
+        scale = lr_at(opt_step, total_steps, cfg)
+        finite = True
+        for model, opt, lr in ((policy, policy_opt, cfg.lr), (critic, critic_opt, cfg.critic_lr)):
+            params = [p for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            finite = finite and bool(torch.isfinite(norm))
+        if finite:
+            for opt, lr in ((policy_opt, cfg.lr), (critic_opt, cfg.critic_lr)):
+                for group in opt.param_groups:
+                    group["lr"] = lr * scale
+                opt.step()
+        opt_step += 1
+        return not finite
+
+    log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), device {device}, run dir {run_dir.path}")
+    eval_seed = cfg.seed + 12345
+    t0 = time.perf_counter()
+    before = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
+    before_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
+    log.info(f"eval before training: reward {before:.4f} (T={cfg.temperature}), {before_greedy:.4f} (greedy) [{time.perf_counter() - t0:.1f}s]")
+
+    last_kl = 0.0
+    for it in log.iterations(cfg.iterations):
+        t_roll = time.perf_counter()
+        prompts = stream.next_batch(cfg.rollout_batch_size)
+        rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, sample_gen, autocast)
+        kl_coef = kl_ctl.value
+        compute_advantages(rollout, cfg, kl_coef, ended)
+        t_train = time.perf_counter()
+        train_stats = ppo_update(policy, critic, policy_opt, critic_opt, rollout, cfg, kl_coef, shuffle_gen, autocast, step_fn)
+        t_end = time.perf_counter()
+
+        mask = rollout.response_mask
+        kl_tok = algo.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k1")
+        last_kl = algo.masked_mean(kl_tok, mask).item()
+        kl_ctl.update(last_kl, cfg.rollout_batch_size)
+        n_tokens = int(mask.sum().item())
+        metrics = {
+            "step": it + 1,
+            "reward/mean": rollout.scores.mean().item(),
+            "reward/std": rollout.scores.std().item() if len(prompts) > 1 else 0.0,
+            "kl/mean": last_kl,
+            "kl/k3_mean": algo.masked_mean(algo.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k3"), mask).item(),
+            "kl/seq_mean": (kl_tok * mask).sum(-1).mean().item(),
+            "kl/coef": kl_coef,
+            "entropy/mean": algo.masked_mean(rollout.entropy, mask).item(),
+            **train_stats,
+            "value/explained_var": algo.explained_variance(rollout.old_values, rollout.returns, mask),
+            "advantages/mean_raw": algo.masked_mean(rollout.advantages, mask).item(),
+            "response/length_mean": mask.sum(-1).mean().item(),
+            "response/eos_frac": ended.float().mean().item(),
+            "lr": cfg.lr * lr_at(max(0, opt_step - 1), total_steps, cfg),
+            "time/rollout_s": t_train - t_roll,
+            "time/train_s": t_end - t_train,
+            "tokens_per_s": n_tokens / max(t_end - t_roll, 1e-9),
+        }
+        if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
+            metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
+        log.metrics(metrics)
+        if cfg.save_every and (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
+            run_dir.save_policy(policy, tokenizer, it + 1)
+
+    after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
+    after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
+    ckpt = run_dir.save_policy(policy, tokenizer, cfg.iterations)
+    summary = {
+        "eval/reward_before": before,
+        "eval/reward_after": after,
+        "eval/greedy_reward_before": before_greedy,
+        "eval/greedy_reward_after": after_greedy,
+        "eval/prompts": len(held_out),
+        "kl/final": last_kl,
+        "iterations": cfg.iterations,
+        "checkpoint": ckpt,
+        "time/total_s": time.perf_counter() - t0,
+    }
+    run_dir.write_summary(summary)
+    log.close()
+    log.table(summary, cfg)
+    return summary
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+USAGE = """usage: ppo-train [--config FILE.toml] [--KEY=VALUE ...]
+
+Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the 'reverse' task, CPU).
+Every field of ppo_core.config.PPOConfig is a --KEY; see configs/default.toml for all of them."""
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    try:
+        own, overrides = parse_cli(argv)
+        toml_values = load_toml(own["config"]) if "config" in own else {}
+        cfg = build_config(toml_values, overrides, own.get("config", ""))
+        run(cfg)
+    except (ConfigError, CheckpointError, RewardError, runlog.RunDirError, FileNotFoundError) as e:
+        print(f"ppo-train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ppo-train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

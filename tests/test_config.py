@@ -1,0 +1,88 @@
+"""The flat config: TOML + command line, and one-line errors (exit status 2) for bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ppo_core.config import FIELDS, ConfigError, PPOConfig, build_config, load_toml, parse_cli
+from ppo_core.train import main
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_cli_overrides_toml_overrides_defaults(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('lr = 3e-4\nppo_epochs = 2\nkl_in_reward = false\nloss_agg = "seq-mean-token-sum"\ncritic_lr = 1\n')
+    own, overrides = parse_cli(["--config", str(path), "--lr=5e-4", "--whiten_rewards", "--top-k", "7"])
+    cfg = build_config(load_toml(own["config"]), overrides, own["config"])
+    assert cfg.lr == 5e-4  # command line wins over the file
+    assert cfg.ppo_epochs == 2 and cfg.kl_in_reward is False and cfg.loss_agg == "seq-mean-token-sum"
+    assert cfg.critic_lr == 1.0 and isinstance(cfg.critic_lr, float)  # TOML int accepted for a float field
+    assert cfg.whiten_rewards is True and cfg.top_k == 7
+    assert cfg.gamma == PPOConfig().gamma  # untouched fields keep their defaults
+
+
+def test_default_toml_lists_every_field_with_its_default():
+    values = load_toml(os.path.join(ROOT, "configs", "default.toml"))
+    assert set(values) == set(FIELDS)
+    defaults = vars(PPOConfig())
+    assert {k: values[k] for k in FIELDS} == defaults
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lrr=1e-3"], "unknown config key 'lrr' (did you mean 'lr'?)"),
+    (["--ppo_epoch", "3"], "unknown config key 'ppo_epoch' (did you mean 'ppo_epochs'?)"),
+    (["--lr=fast"], "config key 'lr' expects float, got 'fast'"),
+    (["--whiten_advantages=maybe"], "config key 'whiten_advantages' expects bool, got 'maybe'"),
+    (["--clip_low=-0.1"], "config key 'clip_low' must be >= 0, got -0.1"),
+    (["--clip_low=1.5"], "config key 'clip_low' must be < 1"),
+    (["--minibatch_size=128"], "config key 'minibatch_size' must be <= rollout_batch_size (64), got 128"),
+    (["--micro_batch_size=64", "--minibatch_size=32"], "config key 'micro_batch_size' must be <= minibatch_size (32), got 64"),
+    (["--micro_batch_size=6"], "config key 'minibatch_size' must be a multiple of micro_batch_size (6), got 32"),
+    (["--loss_agg=mean"], "config key 'loss_agg' must be one of token-mean"),
+    (["--dual_clip=0.5"], "config key 'dual_clip' must be 0 (off) or > 1, got 0.5"),
+    (["--top_p=0"], "config key 'top_p' must be in (0, 1], got 0.0"),
+    (["positional"], "unexpected argument 'positional'"),
+    (["--lr"], "option --lr needs a value"),
+])
+def test_bad_command_line_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    assert main(argv + [f"--out={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ppo-train: error: ")
+    assert message in err
+    assert not (tmp_path / "run").exists()  # nothing written for a run that never started
+
+
+def test_bad_toml_files(tmp_path, capsys):
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("gama = 0.9\n")
+    assert main(["--config", str(unknown)]) == 2
+    assert f"unknown config key 'gama' in {unknown} (did you mean 'gamma'?)" in capsys.readouterr().err
+
+    wrong_type = tmp_path / "type.toml"
+    wrong_type.write_text('iterations = "ten"\n')
+    assert main(["--config", str(wrong_type)]) == 2
+    assert "config key 'iterations' expects int, got str 'ten'" in capsys.readouterr().err
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text("lr = = 1\n")
+    assert main(["--config", str(broken)]) == 2
+    assert f"config file {broken} is not valid TOML" in capsys.readouterr().err
+
+    assert main(["--config", str(tmp_path / "absent.toml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_build_config_raises_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match="'gamma' must be in"):
+        build_config({"gamma": 1.5})
+
+
+def test_entry_point_subprocess_exit_status(tmp_path):
+    """The real command, as a user runs it: one line on stderr, status 2, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "ppo_core.train", "--kl_coeff=0.1", f"--out={tmp_path}/r"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "ppo-train: error: unknown config key 'kl_coeff' (did you mean 'kl_coef'?)"
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
