@@ -60,7 +60,7 @@ class PPOConfig:
     """Sequences per optimizer step; rollout_batch_size must be a multiple of it."""
     micro_batch_size: int = 32
     """Sequences per forward/backward; gradients accumulate over minibatch_size / micro_batch_size of them."""
-    lr: float = 1e-3
+    lr: float = 5e-4
     """Peak AdamW learning rate of the policy."""
     critic_lr: float = 2e-3
     """Peak AdamW learning rate of the critic."""
@@ -96,7 +96,7 @@ class PPOConfig:
     """Whiten advantages over the rollout batch (masked mean/variance)."""
 
     # ------------------------------------------------------------------ reward and KL
-    kl_coef: float = 0.02
+    kl_coef: float = 0.05
     """KL penalty coefficient beta (the initial one when kl_target > 0)."""
     kl_target: float = 0.0
     """Adaptive KL control (Ziegler et al.): per-token KL to steer towards; 0 = fixed kl_coef."""

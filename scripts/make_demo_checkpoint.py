@@ -1,6 +1,6 @@
 """Build the tiny SFT checkpoint that the default job trains: `checkpoints/reverse-demo/`.
 
-    python scripts/make_demo_checkpoint.py                    # ~2 min on 2 CPU cores
+    python scripts/make_demo_checkpoint.py                    # ~3 min on one CPU core
     python scripts/make_demo_checkpoint.py --out /tmp/demo --steps 300
 
 1. Trains a character-level tokenizer with the `tokenizers` library on the task's text.
@@ -48,9 +48,9 @@ def demonstration(word: str, rng: random.Random) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "ppo_core", "demo", "reverse-demo"))
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
