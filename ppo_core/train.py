@@ -352,7 +352,6 @@ def run(cfg: PPOConfig):
             "entropy/mean": algo.masked_mean(rollout.entropy, mask).item(),
             **train_stats,
             "value/explained_var": algo.explained_variance(rollout.old_values, rollout.returns, mask),
-            "advantages/mean_raw": algo.masked_mean(rollout.advantages, mask).item(),
             "response/length_mean": mask.sum(-1).mean().item(),
             "response/eos_frac": ended.float().mean().item(),
             "lr": cfg.lr * lr_at(max(0, opt_step - 1), total_steps, cfg),
