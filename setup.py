@@ -27,7 +27,8 @@ setup(
         "tomli>=2.0; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.56"],
+        "test": ["pytest>=8", "transformers>=4.56", "matplotlib>=3.7"],
+        "plot": ["matplotlib>=3.7"],
         "modal": ["modal>=1.0"],
     },
     entry_points={
