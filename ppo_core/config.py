@@ -118,8 +118,12 @@ class PPOConfig:
     """Held-out prompts evaluated before and after training (and every eval_every iterations)."""
     eval_every: int = 0
     """Evaluate every this many iterations as well (0 = only before and after)."""
-    save_every: int = 0
-    """Write a policy checkpoint every this many iterations (0 = only at the end)."""
+    save_every: int = 20
+    """Write a full training checkpoint (policy, critic, optimizers, RNGs) every this many iterations (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many checkpoints (the final one is always kept)."""
+    max_skipped_updates: int = 3
+    """Stop the run after this many consecutive updates with a non-finite loss or gradient (each is skipped)."""
     out: str = ""
     """Run directory. Empty = runs/<task>-<date>-<time>."""
     seed: int = 0
@@ -206,7 +210,7 @@ def validate(cfg: PPOConfig):
         if not ok:
             raise ConfigError(f"config key '{key}' {what}, got {getattr(cfg, key)!r}")
 
-    for key in ("iterations", "rollout_batch_size", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
+    for key in ("iterations", "rollout_batch_size", "keep_checkpoints", "max_skipped_updates", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
     for key in ("lr", "critic_lr", "temperature", "kl_horizon"):
         need(getattr(cfg, key) > 0, key, "must be > 0")
@@ -230,6 +234,7 @@ def validate(cfg: PPOConfig):
     need(cfg.rollout_batch_size % cfg.minibatch_size == 0, "rollout_batch_size", f"must be a multiple of minibatch_size ({cfg.minibatch_size})")
     need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
     need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
+    need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")
     need(cfg.reward_fn == "" or ":" in cfg.reward_fn, "reward_fn", "must be 'module:function'")
 
 

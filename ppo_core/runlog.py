@@ -12,11 +12,13 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 
 import torch
 
+from . import checkpoint
 from .config import to_dict
 
 
@@ -68,39 +70,119 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+IGNORED_FOR_IDENTITY = ("progress", "out")  # fields that do not change what a run computes
+
+
 class RunDir:
+    """The run directory: created for a new run, re-opened (after checks) for a resumed one."""
+
     def __init__(self, path):
         self.path = path
 
+    @staticmethod
+    def saved_config(path) -> dict:
+        """The resolved config a run directory was started with (for --resume)."""
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise RunDirError(f"--resume: {path} holds no run (no config.json)")
+        try:
+            with open(cfg_file) as f:
+                return json.load(f)["config"]
+        except (json.JSONDecodeError, KeyError):
+            raise RunDirError(f"--resume: {cfg_file} is not a ppo-train run config") from None
+
     @classmethod
-    def create(cls, cfg, policy_path):
-        path = cfg.out or os.path.join("runs", f"{cfg.task}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    def open(cls, cfg, policy_path, resume_from=None):
+        path = resume_from or cfg.out or os.path.join("runs", f"{cfg.task}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         resolved = to_dict(cfg)
         resolved["policy"] = policy_path
         resolved["out"] = path
-        if is_rank0():
-            if os.path.exists(os.path.join(path, "metrics.jsonl")) or os.path.exists(os.path.join(path, "summary.json")):
-                raise RunDirError(f"output directory {path} already holds a run; choose another --out")
+        cfg_file = os.path.join(path, "config.json")
+        if os.path.isfile(cfg_file):
+            saved = cls.saved_config(path)
+            differ = sorted(k for k in set(saved) | set(resolved)
+                            if k not in IGNORED_FOR_IDENTITY and saved.get(k) != resolved.get(k))
+            if differ:
+                raise RunDirError(f"output directory {path} already holds a different run (config differs in: "
+                                  f"{', '.join(differ[:6])}); choose another --out or --resume it")
+            if os.path.isfile(os.path.join(path, "summary.json")):
+                raise RunDirError(f"output directory {path} already holds a finished run")
+        elif resume_from:
+            raise RunDirError(f"--resume: {path} holds no run (no config.json)")
+        elif os.path.exists(os.path.join(path, "metrics.jsonl")):
+            raise RunDirError(f"output directory {path} holds metrics.jsonl but no config.json: not a run this tool can continue")
+        elif is_rank0():
             os.makedirs(path, exist_ok=True)
-            write_json(os.path.join(path, "config.json"), {
+            write_json(cfg_file, {
                 "config": resolved,
                 "versions": _versions(),
                 "git_commit": _git_commit(),
                 "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
             })
-        return cls(path)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        run_dir = cls(path)
+        if is_rank0():
+            checkpoint.clean_partial_saves(path)
+        return run_dir
 
-    def save_policy(self, policy, tokenizer, step):
+    def latest_checkpoint(self):
+        return checkpoint.latest_checkpoint(self.path)
+
+    def truncate_metrics(self, step):
+        """Keep the metrics of iterations <= step: later lines belong to iterations a resume redoes."""
+        path = os.path.join(self.path, "metrics.jsonl")
+        if not is_rank0() or not os.path.isfile(path):
+            return
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def save_checkpoint(self, step, **kwargs):
         out = os.path.join(self.path, "checkpoints", f"step-{step}")
         if is_rank0():
-            policy.save_pretrained(out)
-            tokenizer.save_pretrained(out)
+            out = checkpoint.save_checkpoint(self.path, step, **kwargs)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
         return out
 
     def write_summary(self, summary):
         if is_rank0():
             write_json(os.path.join(self.path, "summary.json"), summary)
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `requested`; the loop saves and stops at the end of
+    the iteration in flight (a second signal of the same kind stops at once)."""
+
+    def __init__(self):
+        self.requested = None
+        self._previous = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested == name:
+            raise KeyboardInterrupt
+        self.requested = name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
 
 
 class Logger:

@@ -15,7 +15,7 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
                surrogate for the policy, clipped value loss for the critic, AdamW, warm-up + cosine LR
 Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
 """
-import json
+import contextlib
 import math
 import os
 import random
@@ -28,12 +28,14 @@ import torch
 
 import ppo_kernels
 
-from . import algo
+from . import algo, checkpoint
+from . import distributed as dist
 from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli, to_dict
 from .generate import generate
 from .model import CheckpointError, load_model, load_score_model
 from .rewards import RewardError, load_prompts, make_reward_source
 from .tasks import PromptStream, eval_prompts
+from .runlog import ListPromptStream
 from .tokenizer import load_tokenizer
 from . import runlog
 
@@ -88,25 +90,30 @@ class Rollout:
     returns: torch.Tensor = None  # [B, R]
 
 
-def encode_prompts(tokenizer, prompts, device):
-    """Left-pad the encoded prompts. -> ids [B, P] int64, mask [B, P] bool."""
+def encode_prompts(tokenizer, prompts, device, pad_to=0):
+    """Left-pad the encoded prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool."""
     encoded = [tokenizer.encode(p) for p in prompts]
-    P = max(len(e) for e in encoded)
+    P = max(pad_to, max(len(e) for e in encoded))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (P - len(e)) + [1] * len(e) for e in encoded], dtype=torch.bool, device=device)
     return ids, mask
 
 
-def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False):
+def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None):
     """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
-    response_mask [B, R], decoded responses, ended_with_eos [B])."""
+    response_mask [B, R], decoded responses, ended_with_eos [B]).
+
+    rows = (offset, global_batch): these prompts are rows offset.. of a batch of global_batch spread
+    over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
+    whatever the number of processes."""
     device = next(policy.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, pad_to)
     eos = tokenizer.eos_token_id
     tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
-                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator)
+                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
+                      global_rows=rows)
     # The response is every token up to and including the first EOS.
     is_eos = tokens == eos
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # [B, R] strictly after the first EOS
@@ -117,19 +124,21 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False):
 
 
 @torch.no_grad()
-def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast):
+def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
+                    pad_to, rows):
     policy.eval()
-    prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(policy, tokenizer, prompts, cfg, generator)
+    prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(
+        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows)
     input_ids = torch.cat([prompt_ids, tokens], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask.bool()], dim=1)
     P = prompt_ids.shape[1]
     old_logprobs, entropy, ref_logprobs, old_values = [], [], [], []
-    for rows in micro_batches(len(prompts), cfg.micro_batch_size):
-        args = (input_ids[rows], attention_mask[rows], response_mask[rows], P, cfg.temperature, cfg.fused_kernels)
+    for mb in micro_batches(len(prompts), cfg.micro_batch_size):
+        args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
         with autocast():
             lp, ent = response_logprobs(policy, *args)
             ref_lp, _ = response_logprobs(reference, *args)
-            v = response_values(critic, input_ids[rows], attention_mask[rows], P)
+            v = response_values(critic, input_ids[mb], attention_mask[mb], P)
         old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
     scores = reward_source(prompts, responses)  # [B] float32, validated
     return Rollout(prompts, responses, input_ids, attention_mask, response_mask, P,
@@ -146,17 +155,22 @@ def micro_batches(n, size, order=None):
 # ---------------------------------------------------------------------------- advantages
 
 def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_with_eos):
-    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> GAE -> whitened advantages."""
-    mask = rollout.response_mask
-    scores = algo.normalize_scores(rollout.scores, whiten=cfg.whiten_rewards, clip=cfg.reward_clip or None)
-    kl = algo.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k1") if cfg.kl_in_reward else None
-    rollout.rewards = algo.per_token_rewards(
-        scores, mask, kl=kl, kl_coef=kl_coef, ended_with_eos=ended_with_eos,
-        missing_eos_penalty=cfg.missing_eos_penalty or None)
-    advantages, rollout.returns = algo.gae(rollout.rewards, rollout.old_values, mask, cfg.gamma, cfg.lam)
+    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> GAE -> whitened advantages.
+
+    Computed on the GLOBAL batch (all processes' rows gathered), so batch statistics — reward and
+    advantage whitening — are those of the whole batch; each process keeps its own rows."""
+    lo, hi = dist.rank() * len(rollout.prompts), (dist.rank() + 1) * len(rollout.prompts)
+    mask = dist.all_gather_rows(rollout.response_mask)  # [B_global, R]
+    old_logprobs, ref_logprobs = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
+    old_values, ended = dist.all_gather_rows(rollout.old_values), dist.all_gather_rows(ended_with_eos)
+    scores = algo.normalize_scores(dist.all_gather_rows(rollout.scores), whiten=cfg.whiten_rewards, clip=cfg.reward_clip or None)
+    kl = algo.kl_estimate(old_logprobs, ref_logprobs, "k1") if cfg.kl_in_reward else None
+    rewards = algo.per_token_rewards(scores, mask, kl=kl, kl_coef=kl_coef, ended_with_eos=ended,
+                                     missing_eos_penalty=cfg.missing_eos_penalty or None)
+    advantages, returns = algo.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         advantages = algo.masked_whiten(advantages, mask)
-    rollout.advantages = advantages
+    rollout.rewards, rollout.advantages, rollout.returns = rewards[lo:hi], advantages[lo:hi], returns[lo:hi]
 
 
 # ---------------------------------------------------------------------------- the update
@@ -169,25 +183,29 @@ def lr_at(step, total_steps, cfg: PPOConfig):
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def ppo_update(policy, critic, policy_opt, critic_opt, rollout: Rollout, cfg: PPOConfig, kl_coef, generator,
-               autocast, step_fn):
-    """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic."""
+def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn):
+    """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic.
+
+    Minibatches are drawn from one permutation of the GLOBAL batch (the same on every process); each
+    process runs the rows of the minibatch that it holds, in micro-batches, and `step_fn` sums the
+    gradients across processes and steps the optimizers."""
     policy.train(), critic.train()
-    B, P = rollout.input_ids.shape[0], rollout.prompt_len
+    b, P = rollout.input_ids.shape[0], rollout.prompt_len
+    world, lo = dist.world_size(), dist.rank() * b
     stats: dict[str, list] = {}
     first_ratio_dev = None
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=generator)
-        for mb in micro_batches(B, cfg.minibatch_size, order):
+        order = torch.randperm(b * world, generator=generator)
+        for start in range(0, b * world, cfg.minibatch_size):
+            mb_global = order[start : start + cfg.minibatch_size]
+            mb = mb_global[(mb_global >= lo) & (mb_global < lo + b)] - lo  # this process's rows
             mask_mb = rollout.response_mask[mb]
-            # Global denominators for the whole minibatch, so the micro-batch losses add up to its loss.
-            num_tokens = mask_mb.sum()
-            num_seqs = (mask_mb.sum(-1) > 0).sum()
-            policy_opt.zero_grad(set_to_none=True)
-            critic_opt.zero_grad(set_to_none=True)
+            # Global denominators for the whole minibatch, so the micro-batch losses of all processes
+            # add up to the minibatch's loss (and their gradients to its gradient).
+            counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))
+            agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
             for rows in micro_batches(len(mb), cfg.micro_batch_size, mb):
                 ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
-                agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
                 with autocast():
                     logp, _ = response_logprobs(policy, ids, am, rm, P, cfg.temperature, cfg.fused_kernels)
                 pg_loss, pg_stats = algo.policy_loss(
@@ -211,11 +229,10 @@ def ppo_update(policy, critic, policy_opt, critic_opt, rollout: Rollout, cfg: PP
                 _append(stats, "policy/approx_kl", pg_stats["approx_kl"].item())
                 _append(stats, "value/loss", vf_loss.item())
                 _append(stats, "value/clipfrac", vf_stats["clipfrac"].item())
-            skipped = step_fn()
-            _append(stats, "train/skipped_updates", float(skipped))
+            step_fn()
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     # The loss pieces were normalised by minibatch totals, so a minibatch's loss is their sum.
-    n_micro = cfg.minibatch_size // cfg.micro_batch_size
+    n_micro = max(1, math.ceil(cfg.minibatch_size / world / cfg.micro_batch_size))
     out["policy/loss"] *= n_micro
     out["value/loss"] *= n_micro
     out["policy/first_ratio_max_dev"] = first_ratio_dev
@@ -226,13 +243,67 @@ def _append(stats, key, value):
     stats.setdefault(key, []).append(value)
 
 
+class NonFiniteUpdates(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class Optimizers:
+    """AdamW for policy and critic, the LR schedule, and the skip-on-NaN rule, stepped together."""
+
+    def __init__(self, policy, critic, cfg: PPOConfig, total_steps, log):
+        def adamw(model, lr):
+            return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+
+        self.cfg, self.total_steps, self.log = cfg, total_steps, log
+        self.models = (policy, critic)
+        self.policy_opt, self.critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
+        self.step_count = 0
+        self.consecutive_skips = 0
+        self.skipped = 0
+        self.iteration = 0
+
+    def zero_grad(self):
+        for m in self.models:
+            m.zero_grad(set_to_none=True)
+
+    def step(self):
+        """Sum gradients over processes, clip, and step both optimizers — unless any gradient is not
+        finite, in which case no weight is touched and the update is counted as skipped."""
+        cfg = self.cfg
+        scale = lr_at(self.step_count, self.total_steps, cfg)
+        finite = True
+        for model in self.models:
+            params = [p for p in model.parameters() if p.requires_grad]
+            dist.sum_gradients(params)
+            params = [p for p in params if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            finite = finite and bool(torch.isfinite(norm))
+        if finite:
+            for opt, lr in ((self.policy_opt, cfg.lr), (self.critic_opt, cfg.critic_lr)):
+                for group in opt.param_groups:
+                    group["lr"] = lr * scale
+                opt.step()
+            self.consecutive_skips = 0
+        else:
+            self.skipped += 1
+            self.consecutive_skips += 1
+            self.log.info(f"iteration {self.iteration}: non-finite loss or gradient, update {self.step_count} skipped")
+            if self.consecutive_skips >= cfg.max_skipped_updates:
+                raise NonFiniteUpdates(f"stopping at iteration {self.iteration}: {self.consecutive_skips} consecutive "
+                                       f"updates had a non-finite loss or gradient (max_skipped_updates={cfg.max_skipped_updates})")
+        self.zero_grad()
+        self.step_count += 1
+
+
 # ---------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False):
     """Mean reward over held-out prompts, sampling with the run's temperature (or greedily).
 
-    Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise."""
+    Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
+    Every process evaluates the same prompts (the held-out set is small)."""
     policy.eval()
     generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     scores = []
@@ -251,16 +322,26 @@ def resolve_device_dtype(cfg):
         raise ConfigError("config key 'device' is 'cuda' but no CUDA device is available")
     param_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     use_autocast = device == "cuda" and cfg.dtype == "auto"  # fp32 master weights, bf16 compute
-    return torch.device(device), param_dtype, use_autocast
+    return device, param_dtype, use_autocast
 
 
-def run(cfg: PPOConfig):
-    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input."""
+class StopRequested(Exception):
+    """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops."""
+
+
+def run(cfg: PPOConfig, resume_from=None):
+    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input.
+
+    resume_from: a run directory to continue (its config is `cfg`). Without it, a run directory that
+    already holds a checkpoint of the same config is resumed too (what a retried container needs)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     policy_path = cfg.policy or DEMO_CHECKPOINT
-    device, param_dtype, use_autocast = resolve_device_dtype(cfg)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else _nullcontext
+    device_kind, param_dtype, use_autocast = resolve_device_dtype(cfg)
+    rank, world, device = dist.init(device_kind)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
+    if cfg.rollout_batch_size % world or cfg.minibatch_size % world:
+        raise ConfigError(f"config keys 'rollout_batch_size' and 'minibatch_size' must be multiples of the number of processes ({world})")
 
     # Everything that can be wrong with the input is checked before the run directory is touched.
     tokenizer = load_tokenizer(policy_path)
@@ -268,115 +349,132 @@ def run(cfg: PPOConfig):
     reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
     critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device)
     if tokenizer.vocab_size > policy.args.vocab_size:
-        raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
+        raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
     policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
     reward_source = make_reward_source(cfg)
     held_out = load_prompts(cfg.eval_prompts_file) if cfg.eval_prompts_file else eval_prompts(cfg.eval_size, cfg.seed)
     held_out = held_out[: cfg.eval_size]
-    if cfg.prompts_file:
-        train_prompts = load_prompts(cfg.prompts_file)
-        stream = runlog.ListPromptStream(train_prompts, cfg.seed)
-    else:
-        stream = PromptStream(cfg.seed, held_out)
-    max_prompt = max(len(tokenizer.encode(p)) for p in held_out)
-    if max_prompt + cfg.max_new_tokens > policy.args.max_position_embeddings:
-        raise ConfigError(f"config key 'max_new_tokens': prompts of {max_prompt} tokens + {cfg.max_new_tokens} new tokens "
-                          f"exceed the model's context of {policy.args.max_position_embeddings}")
-
-    run_dir = runlog.RunDir.create(cfg, policy_path)
+    train_prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else []
+    stream = ListPromptStream(train_prompts, cfg.seed) if train_prompts else PromptStream(cfg.seed, held_out)
+    context = policy.args.max_position_embeddings
+    for p in held_out + train_prompts:
+        n = len(tokenizer.encode(p))
+        if n + cfg.max_new_tokens > context:
+            raise ConfigError(f"prompt {p[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds "
+                              f"the model's context of {context} tokens")
+    run_dir = runlog.RunDir.open(cfg, policy_path, resume_from)
+    ckpt = run_dir.latest_checkpoint()
+    # Metrics of iterations after the checkpoint belong to work a resume redoes.
+    run_dir.truncate_metrics(0 if ckpt is None else checkpoint.checkpoint_step(ckpt))
     log = runlog.Logger(run_dir, progress=cfg.progress)
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
-
-    def adamw(model, lr):
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                 betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-
-    policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
+    generators = {"sample": sample_gen, "shuffle": shuffle_gen}
     steps_per_iter = cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
-    total_steps = cfg.iterations * steps_per_iter
+    opts = Optimizers(policy, critic, cfg, cfg.iterations * steps_per_iter, log)
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
               else algo.FixedKLController(cfg.kl_coef))
-    opt_step = 0
-
-    def step_fn():
-        """One optimizer step for both models; a non-finite gradient skips it (no weight touched)."""
-        nonlocal opt_step
-        scale = lr_at(opt_step, total_steps, cfg)
-        finite = True
-        for model, opt, lr in ((policy, policy_opt, cfg.lr), (critic, critic_opt, cfg.critic_lr)):
-            params = [p for p in model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-            finite = finite and bool(torch.isfinite(norm))
-        if finite:
-            for opt, lr in ((policy_opt, cfg.lr), (critic_opt, cfg.critic_lr)):
-                for group in opt.param_groups:
-                    group["lr"] = lr * scale
-                opt.step()
-        opt_step += 1
-        return not finite
-
-    log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), device {device}, run dir {run_dir.path}")
     eval_seed = cfg.seed + 12345
     t0 = time.perf_counter()
-    before = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
-    before_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
-    log.info(f"eval before training: reward {before:.4f} (T={cfg.temperature}), {before_greedy:.4f} (greedy) [{time.perf_counter() - t0:.1f}s]")
 
-    last_kl = 0.0
-    for it in log.iterations(cfg.iterations):
-        t_roll = time.perf_counter()
-        prompts = stream.next_batch(cfg.rollout_batch_size)
-        rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, sample_gen, autocast)
-        kl_coef = kl_ctl.value
-        compute_advantages(rollout, cfg, kl_coef, ended)
-        t_train = time.perf_counter()
-        train_stats = ppo_update(policy, critic, policy_opt, critic_opt, rollout, cfg, kl_coef, shuffle_gen, autocast, step_fn)
-        t_end = time.perf_counter()
+    start_iter, state = 0, {}
+    if ckpt is not None:
+        state = checkpoint.load_training_state(ckpt, policy=policy, critic=critic, policy_opt=opts.policy_opt,
+                                               critic_opt=opts.critic_opt, generators=generators)
+        start_iter = state["step"]
+        opts.step_count, opts.skipped = state["optimizer_step"], state["skipped_updates"]
+        kl_ctl.load_state_dict(state["kl_controller"])
+        stream.load_state_dict(state["prompt_stream"])
+        log.info(f"resuming {run_dir.path} from {ckpt} (iteration {start_iter} of {cfg.iterations})")
+    else:
+        log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
+                 f"run dir {run_dir.path}")
+        state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
+        state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
+        log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
+                 f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - t0:.1f}s]")
+        state["last_kl"] = 0.0
 
-        mask = rollout.response_mask
-        kl_tok = algo.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k1")
-        last_kl = algo.masked_mean(kl_tok, mask).item()
-        kl_ctl.update(last_kl, cfg.rollout_batch_size)
-        n_tokens = int(mask.sum().item())
-        metrics = {
-            "step": it + 1,
-            "reward/mean": rollout.scores.mean().item(),
-            "reward/std": rollout.scores.std().item() if len(prompts) > 1 else 0.0,
-            "kl/mean": last_kl,
-            "kl/k3_mean": algo.masked_mean(algo.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k3"), mask).item(),
-            "kl/seq_mean": (kl_tok * mask).sum(-1).mean().item(),
-            "kl/coef": kl_coef,
-            "entropy/mean": algo.masked_mean(rollout.entropy, mask).item(),
-            **train_stats,
-            "value/explained_var": algo.explained_variance(rollout.old_values, rollout.returns, mask),
-            "response/length_mean": mask.sum(-1).mean().item(),
-            "response/eos_frac": ended.float().mean().item(),
-            "lr": cfg.lr * lr_at(max(0, opt_step - 1), total_steps, cfg),
-            "time/rollout_s": t_train - t_roll,
-            "time/train_s": t_end - t_train,
-            "tokens_per_s": n_tokens / max(t_end - t_roll, 1e-9),
-        }
-        if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
-            metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
-        log.metrics(metrics)
-        if cfg.save_every and (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
-            run_dir.save_policy(policy, tokenizer, it + 1)
+    def save(step):
+        return run_dir.save_checkpoint(step, policy=policy, critic=critic, tokenizer=tokenizer,
+                                       policy_opt=opts.policy_opt, critic_opt=opts.critic_opt, generators=generators,
+                                       state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
+                                              "kl_controller": kl_ctl.state_dict(), "prompt_stream": stream.state_dict(),
+                                              "eval_before": state["eval_before"], "eval_before_greedy": state["eval_before_greedy"],
+                                              "last_kl": state["last_kl"]},
+                                       keep=cfg.keep_checkpoints)
+
+    b = cfg.rollout_batch_size // world
+    with runlog.StopSignals() as stop:
+        for it in log.iterations(cfg.iterations, start_iter):
+            opts.iteration = it + 1
+            t_roll = time.perf_counter()
+            # Sampling noise is a function of (seed, iteration) alone, so processes that finish decoding
+            # at different steps, and a resumed run, all draw the same noise for every row.
+            sample_gen.manual_seed(cfg.seed * 1_000_003 + it)
+            global_prompts = stream.next_batch(cfg.rollout_batch_size)
+            prompts = global_prompts[rank * b : (rank + 1) * b]
+            pad_to = dist.all_reduce_max_int(max(len(tokenizer.encode(p)) for p in prompts))
+            rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg,
+                                             sample_gen, autocast, pad_to, (rank * b, cfg.rollout_batch_size))
+            kl_coef = kl_ctl.value
+            compute_advantages(rollout, cfg, kl_coef, ended)
+            t_train = time.perf_counter()
+            train_stats = ppo_update(policy, critic, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step)
+            t_end = time.perf_counter()
+
+            # Metrics over the global batch.
+            mask = dist.all_gather_rows(rollout.response_mask)
+            old_lp, ref_lp = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
+            scores = dist.all_gather_rows(rollout.scores)
+            kl_tok = algo.kl_estimate(old_lp, ref_lp, "k1")
+            state["last_kl"] = algo.masked_mean(kl_tok, mask).item()
+            kl_ctl.update(state["last_kl"], cfg.rollout_batch_size)
+            metrics = {
+                "step": it + 1,
+                "reward/mean": scores.mean().item(),
+                "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+                "kl/mean": state["last_kl"],
+                "kl/k3_mean": algo.masked_mean(algo.kl_estimate(old_lp, ref_lp, "k3"), mask).item(),
+                "kl/seq_mean": (kl_tok * mask).sum(-1).mean().item(),
+                "kl/coef": kl_coef,
+                "entropy/mean": algo.masked_mean(dist.all_gather_rows(rollout.entropy), mask).item(),
+                **train_stats,
+                "train/skipped_updates": opts.skipped,
+                "value/explained_var": algo.explained_variance(
+                    dist.all_gather_rows(rollout.old_values), dist.all_gather_rows(rollout.returns), mask),
+                "response/length_mean": mask.sum(-1).mean().item(),
+                "response/eos_frac": dist.all_gather_rows(ended).float().mean().item(),
+                "lr": cfg.lr * lr_at(max(0, opts.step_count - 1), opts.total_steps, cfg),
+                "time/rollout_s": t_train - t_roll,
+                "time/train_s": t_end - t_train,
+                "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
+            }
+            if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
+                metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
+            log.metrics(metrics)
+            last = it + 1 == cfg.iterations
+            if last or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
+                save(it + 1)
+            if stop.requested and not last:
+                log.close()
+                raise StopRequested(f"received {stop.requested}; saved checkpoint at iteration {it + 1} of {cfg.iterations} "
+                                    f"in {run_dir.path}; continue with: ppo-train --resume {run_dir.path}")
 
     after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
     after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
-    ckpt = run_dir.save_policy(policy, tokenizer, cfg.iterations)
     summary = {
-        "eval/reward_before": before,
+        "eval/reward_before": state["eval_before"],
         "eval/reward_after": after,
-        "eval/greedy_reward_before": before_greedy,
+        "eval/greedy_reward_before": state["eval_before_greedy"],
         "eval/greedy_reward_after": after_greedy,
         "eval/prompts": len(held_out),
-        "kl/final": last_kl,
+        "kl/final": state["last_kl"],
         "iterations": cfg.iterations,
-        "checkpoint": ckpt,
+        "skipped_updates": opts.skipped,
+        "checkpoint": os.path.join(run_dir.path, "checkpoints", f"step-{cfg.iterations}"),
         "time/total_s": time.perf_counter() - t0,
     }
     run_dir.write_summary(summary)
@@ -385,18 +483,12 @@ def run(cfg: PPOConfig):
     return summary
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 USAGE = """usage: ppo-train [--config FILE.toml] [--KEY=VALUE ...]
+       ppo-train --resume RUN_DIR
 
 Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the 'reverse' task, CPU).
-Every field of ppo_core.config.PPOConfig is a --KEY; see configs/default.toml for all of them."""
+Every field of ppo_core.config.PPOConfig is a --KEY; see configs/default.toml for all of them.
+--resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json."""
 
 
 def main(argv=None):
@@ -406,15 +498,27 @@ def main(argv=None):
         return 0
     try:
         own, overrides = parse_cli(argv)
-        toml_values = load_toml(own["config"]) if "config" in own else {}
-        cfg = build_config(toml_values, overrides, own.get("config", ""))
-        run(cfg)
+        resume = own.get("resume")
+        if resume:
+            if "config" in own or set(overrides) - {"progress"}:
+                raise ConfigError("--resume takes the run's own config from RUN_DIR/config.json; "
+                                  "it cannot be combined with --config or other keys (only --progress)")
+            cfg = build_config(runlog.RunDir.saved_config(resume), overrides)
+        else:
+            toml_values = load_toml(own["config"]) if "config" in own else {}
+            cfg = build_config(toml_values, overrides, own.get("config", ""))
+        run(cfg, resume_from=resume)
     except (ConfigError, CheckpointError, RewardError, runlog.RunDirError, FileNotFoundError) as e:
         print(f"ppo-train: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("ppo-train: interrupted", file=sys.stderr)
-        return 130
+    except NonFiniteUpdates as e:
+        print(f"ppo-train: error: {e}", file=sys.stderr)
+        return 1
+    except StopRequested as e:
+        print(f"ppo-train: {e}", file=sys.stderr)
+        return 143
+    finally:
+        dist.shutdown()
     return 0
 
 

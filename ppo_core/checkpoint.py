@@ -1,0 +1,210 @@
+"""Training checkpoints: everything a resumed run needs to continue bit for bit, saved atomically.
+
+    RUN/checkpoints/step-N/
+        config.json, model.safetensors, tokenizer.json   the policy, Hugging Face layout (load_model works)
+        critic/                                          the critic, HF *ForSequenceClassification layout
+        optimizer.safetensors                            AdamW moments and step counts of both models
+        rng.safetensors                                  torch CPU/CUDA RNG states, sampling and shuffle generators
+        trainer_state.json                               iteration, optimizer step, KL controller, prompt
+                                                         stream position, Python and NumPy RNG states
+    RUN/checkpoints/latest                               "step-N", replaced only after step-N is complete
+
+Tensors go to safetensors and small state to JSON: nothing is pickled, and loading never runs code.
+A save writes `checkpoints/.tmp-step-N/`, fsyncs every file, renames it to `step-N`, and only then
+points `latest` at it; a process killed anywhere in between leaves the previous checkpoint loadable.
+"""
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .model import CheckpointError
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path):
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str) -> dict:
+    """AdamW state as flat named tensors: '{prefix}.{param index}.{exp_avg|exp_avg_sq|step}'."""
+    out = {}
+    for idx, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            out[f"{prefix}.{idx}.{name}"] = value.detach().contiguous().cpu()
+    return out
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict, prefix: str):
+    sd = opt.state_dict()
+    state = {}
+    for key, value in tensors.items():
+        role, idx, name = key.split(".", 2)
+        if role == prefix:
+            state.setdefault(int(idx), {})[name] = value
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+def python_rng_state():
+    version, internal, gauss = random.getstate()
+    return {"version": version, "internal": list(internal), "gauss": gauss}
+
+
+def set_python_rng_state(s):
+    random.setstate((s["version"], tuple(s["internal"]), s["gauss"]))
+
+
+def numpy_rng_state():
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def set_numpy_rng_state(s):
+    np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
+
+
+def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, critic_opt, generators: dict,
+                    state: dict, keep: int, write_hook=None):
+    """Write RUN/checkpoints/step-{step} atomically, point `latest` at it, prune to the newest `keep`.
+
+    generators: name -> torch.Generator (their states go to rng.safetensors). state: JSON-able trainer
+    state. write_hook(name) is called between files (the tests use it to kill a save half way).
+    Returns the checkpoint's path."""
+    root = os.path.join(run_path, "checkpoints")
+    os.makedirs(root, exist_ok=True)
+    name = f"step-{step}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
+    hook = write_hook or (lambda _: None)
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    hook("policy")
+    critic.save_pretrained(os.path.join(tmp, "critic"))
+    hook("critic")
+    save_file({**optimizer_tensors(policy_opt, "policy"), **optimizer_tensors(critic_opt, "critic")},
+              os.path.join(tmp, "optimizer.safetensors"))
+    hook("optimizer")
+    rng = {f"generator.{k}": g.get_state() for k, g in generators.items()}
+    rng["torch.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch.cuda.{i}"] = s
+    save_file(rng, os.path.join(tmp, "rng.safetensors"))
+    full_state = {**state, "step": step, "python_rng": python_rng_state(), "numpy_rng": numpy_rng_state()}
+    with open(os.path.join(tmp, STATE_FILE), "w") as f:
+        json.dump(full_state, f)
+    hook("state")
+    _fsync_tree(tmp)
+    if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    hook("renamed")
+    latest_tmp = os.path.join(root, LATEST + ".tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
+    _prune(root, keep, name)
+    return final
+
+
+def _prune(root, keep, current):
+    steps = sorted((int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("step-")), reverse=True)
+    for s in steps[keep:]:
+        if f"step-{s}" != current:
+            shutil.rmtree(os.path.join(root, f"step-{s}"), ignore_errors=True)
+
+
+def latest_checkpoint(run_path):
+    """The path `latest` points to, or None when the run has no complete checkpoint."""
+    root = os.path.join(run_path, "checkpoints")
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(root, name)
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
+    return path
+
+
+def checkpoint_step(path) -> int:
+    with open(os.path.join(path, STATE_FILE)) as f:
+        return json.load(f)["step"]
+
+
+def clean_partial_saves(run_path):
+    """Remove half-written `.tmp-*` directories a killed save left behind."""
+    root = os.path.join(run_path, "checkpoints")
+    if os.path.isdir(root):
+        for d in os.listdir(root):
+            if d.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def _load_into(model, path):
+    """Copy a saved model's tensors into `model` in place (ties and devices kept), checking names."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    to_module = {hf: ours for ours, hf in getattr(model, "hf_names", {}).items()}  # e.g. score.weight -> score_head.weight
+    state = {to_module.get(k, k): v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if model.args.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generators: dict) -> dict:
+    """Restore weights, optimizer moments and every RNG from a checkpoint; returns the trainer state."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+        _load_into(policy, path)
+        _load_into(critic, os.path.join(path, "critic"))
+        opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+        rng = load_file(os.path.join(path, "rng.safetensors"))
+    except CheckpointError:
+        raise
+    except Exception as e:  # OSError, JSON errors, safetensors' own error for a truncated file
+        raise CheckpointError(f"cannot load checkpoint {path}: {e}") from None
+    load_optimizer_tensors(policy_opt, opt_tensors, "policy")
+    load_optimizer_tensors(critic_opt, opt_tensors, "critic")
+    for name, g in generators.items():
+        g.set_state(rng[f"generator.{name}"])
+    torch.set_rng_state(rng["torch.cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([rng[f"torch.cuda.{i}"] for i in range(torch.cuda.device_count()) if f"torch.cuda.{i}" in rng])
+    set_python_rng_state(state["python_rng"])
+    set_numpy_rng_state(state["numpy_rng"])
+    return state

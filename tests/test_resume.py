@@ -1,0 +1,160 @@
+"""Runs you can trust: SIGKILL at several points (mid-rollout, mid-update, mid-save), resume, and get
+the same final weights and metrics as a run that never stopped; NaN updates are skipped, then stop."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ppo_core.train as train
+from ppo_core.config import build_config
+
+ARGS = ["--iterations=4", "--save_every=1", "--eval_size=16", "--rollout_batch_size=32", "--minibatch_size=16",
+        "--micro_batch_size=16", "--ppo_epochs=2", "--progress=false"]
+WALL_CLOCK = ("time/", "tokens_per_s")
+
+# A driver that runs the real trainer but SIGKILLs its own process at a chosen point: the n-th call
+# of a function inside the loop. This is the test's fault injection; the trainer has no such switch.
+DRIVER = r'''
+import os, signal, sys
+import ppo_core.train as train
+import ppo_core.checkpoint as checkpoint
+where, n = sys.argv[1], int(sys.argv[2])
+calls = [0]
+def die_on_nth(fn, after=False):
+    def wrapped(*a, **k):
+        calls[0] += 1
+        if calls[0] == n and not after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = fn(*a, **k)
+        if calls[0] == n and after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    return wrapped
+if where == "rollout":    # inside sampling: generate is called twice for the 'before' eval, then once an iteration
+    train.generate = die_on_nth(train.generate)
+elif where == "update":   # inside the PPO update, between two micro-batch backward passes
+    train.algo.value_loss = die_on_nth(train.algo.value_loss)
+elif where == "save":     # inside a checkpoint save: after the n-th safetensors file is written, before the rename (2 calls a save)
+    checkpoint.save_file = die_on_nth(checkpoint.save_file, after=True)
+elif where == "pointer":  # the n-th save: step-N renamed into place, `latest` not yet pointing at it
+    real_save = checkpoint.save_checkpoint
+    saves = [0]
+    def save_then_die_before_pointer(*a, **k):
+        saves[0] += 1
+        hook = (lambda stage: stage == "renamed" and os.kill(os.getpid(), signal.SIGKILL)) if saves[0] == n else None
+        return real_save(*a, **k, write_hook=hook)
+    checkpoint.save_checkpoint = save_then_die_before_pointer
+sys.exit(train.main(sys.argv[3:]))
+'''
+
+
+def run_trainer(args, cwd):
+    return subprocess.run([sys.executable, "-m", "ppo_core.train", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    proc = run_trainer(ARGS + [f"--out={d / 'run'}"], cwd=d)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return d / "run"
+
+
+def final_weights(run_dir):
+    return (run_dir / "checkpoints" / "step-4" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("where, n", [
+    ("rollout", 5),   # the 3rd iteration's rollout (2 eval calls come first)
+    ("update", 7),    # the 2nd iteration's update (4 micro-batches of value loss per iteration)
+    ("save", 5),      # the 3rd save, half written: after optimizer.safetensors, before rng.safetensors
+    ("pointer", 2),   # the 2nd save, complete on disk but `latest` not yet moved
+])
+def test_kill_and_resume_is_identical(reference_run, tmp_path, where, n):
+    run_dir = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", DRIVER, where, str(n), *ARGS, f"--out={run_dir}"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (run_dir / "summary.json").exists()
+    resumed = run_trainer(["--resume", str(run_dir), "--progress=false"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stderr
+    assert metrics(run_dir) == metrics(reference_run)
+    assert final_weights(run_dir) == final_weights(reference_run)
+    ref_critic = load_file(str(reference_run / "checkpoints" / "step-4" / "critic" / "model.safetensors"))
+    got_critic = load_file(str(run_dir / "checkpoints" / "step-4" / "critic" / "model.safetensors"))
+    assert all(torch.equal(ref_critic[k], got_critic[k]) for k in ref_critic)
+    assert not [d for d in os.listdir(run_dir / "checkpoints") if d.startswith(".tmp-")]
+
+
+def test_automatic_resume_when_the_run_directory_has_a_checkpoint(reference_run, tmp_path):
+    """What a retried Modal container does: the same command again, no --resume."""
+    run_dir = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", DRIVER, "update", "11", *ARGS, f"--out={run_dir}"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert killed.returncode == -signal.SIGKILL
+    again = run_trainer(ARGS + [f"--out={run_dir}"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert metrics(run_dir) == metrics(reference_run) and final_weights(run_dir) == final_weights(reference_run)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ppo_core.train", *ARGS, "--iterations=200", "--save_every=0",
+                             f"--out={run_dir}"], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists() or \
+            (run_dir / "metrics.jsonl").stat().st_size == 0:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    assert "received SIGTERM; saved checkpoint at iteration" in err and "--resume" in err
+    done = len(metrics(run_dir))
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{done}" and 1 <= done < 200
+
+
+def test_resume_errors(tmp_path, capsys):
+    assert train.main(["--resume", str(tmp_path / "empty")]) == 2
+    assert f"--resume: {tmp_path / 'empty'} holds no run" in capsys.readouterr().err
+    assert train.main(["--resume", str(tmp_path), "--lr=1"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, capsys):
+    """Fault injection through a pytest fixture: the policy loss turns NaN from the 3rd micro-batch on."""
+    real_policy_loss = train.algo.policy_loss
+    calls = [0]
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real_policy_loss(*args, **kwargs)
+        calls[0] += 1
+        return (loss * float("nan") if calls[0] >= 3 else loss), stats
+
+    monkeypatch.setattr(train.algo, "policy_loss", poisoned)
+    cfg = build_config(overrides={"out": str(tmp_path / "run"), "iterations": "3", "eval_size": "8",
+                                  "rollout_batch_size": "32", "minibatch_size": "16", "micro_batch_size": "16",
+                                  "ppo_epochs": "2", "max_skipped_updates": "3", "progress": "false"})
+    with pytest.raises(train.NonFiniteUpdates, match="stopping at iteration 2: 3 consecutive updates"):
+        train.run(cfg)
+    err = capsys.readouterr().err
+    # each skipped update is logged with its iteration and step; no weight changed after the first two
+    assert "iteration 1: non-finite loss or gradient, update 2 skipped" in err
+    assert "iteration 1: non-finite loss or gradient, update 3 skipped" in err
+    assert "iteration 2: non-finite loss or gradient, update 4 skipped" in err
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 1 and rows[0]["train/skipped_updates"] == 2
