@@ -204,6 +204,9 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
             # add up to the minibatch's loss (and their gradients to its gradient).
             counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))
             agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+            # Sums over this minibatch's micro-batches (and, after the all-reduce, over processes):
+            # losses (already normalised by the global counts) and token-weighted statistics.
+            sums = torch.zeros(len(MB_STATS), dtype=torch.float64)
             for rows in micro_batches(len(mb), cfg.micro_batch_size, mb):
                 ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
                 with autocast():
@@ -212,10 +215,10 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
                     logp, rollout.old_logprobs[rows], rollout.advantages[rows], rm,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, **agg)
                 loss = pg_loss
+                kl_loss = torch.zeros(())
                 if not cfg.kl_in_reward:
                     kl_loss = algo.aggregate(algo.kl_estimate(logp, rollout.ref_logprobs[rows], cfg.kl_loss_kind), rm, **agg)
                     loss = loss + kl_coef * kl_loss
-                    _append(stats, "policy/kl_loss", kl_loss.item())
                 loss.backward()
                 with autocast():
                     values = response_values(critic, ids, am, P).float()
@@ -224,19 +227,24 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
                 vf_loss.backward()
                 if first_ratio_dev is None:
                     first_ratio_dev = pg_stats["ratio_max_dev"].item()
-                _append(stats, "policy/loss", pg_loss.item())
-                _append(stats, "policy/clipfrac", pg_stats["clipfrac"].item())
-                _append(stats, "policy/approx_kl", pg_stats["approx_kl"].item())
-                _append(stats, "value/loss", vf_loss.item())
-                _append(stats, "value/clipfrac", vf_stats["clipfrac"].item())
+                n = rm.sum()
+                sums += torch.stack([pg_loss.detach(), vf_loss.detach(), kl_loss.detach(), pg_stats["clipfrac"] * n,
+                                     pg_stats["approx_kl"] * n, vf_stats["clipfrac"] * n]).double()
+            sums = dist.all_reduce_sum(sums)
+            tokens = max(counts[0].item(), 1.0)
+            for name, value, per_token in zip(MB_STATS, sums.tolist(), MB_STATS_PER_TOKEN):
+                _append(stats, name, value / tokens if per_token else value)
             step_fn()
-    out = {k: float(np.mean(v)) for k, v in stats.items()}
-    # The loss pieces were normalised by minibatch totals, so a minibatch's loss is their sum.
-    n_micro = max(1, math.ceil(cfg.minibatch_size / world / cfg.micro_batch_size))
-    out["policy/loss"] *= n_micro
-    out["value/loss"] *= n_micro
+    out = {k: float(np.mean(v)) for k, v in stats.items()}  # means over the optimizer steps
+    if cfg.kl_in_reward:
+        out.pop("policy/kl_loss")
+    # rank 0's first micro-batch (every process's first ratio is exactly 1 by construction)
     out["policy/first_ratio_max_dev"] = first_ratio_dev
     return out
+
+
+MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/approx_kl", "value/clipfrac")
+MB_STATS_PER_TOKEN = (False, False, False, True, True, True)
 
 
 def _append(stats, key, value):
