@@ -34,6 +34,12 @@ class PPOConfig:
     """Built-in task supplying prompts and reward when no prompts_file / reward_fn is given: 'reverse'."""
     reward_fn: str = ""
     """A Python reward callable 'module:function', fn(prompts, responses) -> list[float]. Empty = the task's reward."""
+    reward_model: str = ""
+    """Reward-model checkpoint (*ForSequenceClassification, e.g. Skywork-Reward-V2) scoring prompt + response at its last token. Empty = reward_fn or the task's reward."""
+    chat_template: bool = False
+    """Render each prompt as a user turn with the policy's chat template (+ generation prompt); the reward model renders the same conversation with its own."""
+    enable_thinking: bool = True
+    """Reasoning switch passed to every chat-template rendering (Qwen3's enable_thinking); fixed once, so rollout, reference, critic and reward model see one rendering."""
     prompts_file: str = ""
     """Training prompts, one per line (or JSONL with a "prompt" field). Empty = the task's prompt stream."""
     eval_prompts_file: str = ""
@@ -235,6 +241,7 @@ def validate(cfg: PPOConfig):
     need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
     need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
     need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")
+    need(not (cfg.reward_fn and cfg.reward_model), "reward_model", "conflicts with reward_fn: give one reward source")
     need(cfg.reward_fn == "" or ":" in cfg.reward_fn, "reward_fn", "must be 'module:function'")
 
 

@@ -3,7 +3,9 @@
 A reward source is `source(prompts, responses) -> scores [B] float32`. It wraps either
   - a Python callable `fn(prompts: list[str], responses: list[str]) -> list[float]`
     (config `reward_fn = "module:function"`, or the built-in task's reward), or
-  - a reward model (a later addition; see ppo_core.model.ScoreModel.sequence_score).
+  - a reward model checkpoint (config `reward_model`): each prompt + response is rendered (with the
+    reward model's own chat template when `chat_template` is on, with the run's `enable_thinking`),
+    tokenized with the reward model's tokenizer, right-padded, and scored at its last real token.
 Whatever the callable returns is checked: one finite number per response. A callable that raises is
 reported with the sample it failed on.
 """
@@ -78,7 +80,44 @@ class CallableReward:
         return f"on a batch of {len(prompts)} samples"
 
 
-def make_reward_source(cfg):
+class RewardModelReward:
+    """Scores from a *ForSequenceClassification checkpoint, as transformers computes them."""
+
+    def __init__(self, path, cfg, device, dtype, batch_size=16):
+        from .model import load_reward_model
+        from .tokenizer import load_tokenizer
+
+        self.model = load_reward_model(path, dtype=dtype, device=device).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(path)
+        self.cfg, self.device, self.batch_size = cfg, device, batch_size
+
+    def render(self, prompt, response):
+        if self.cfg.chat_template:
+            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            return self.tokenizer.apply_chat_template(chat, tokenize=False, enable_thinking=self.cfg.enable_thinking)
+        return prompt + response
+
+    @torch.no_grad()
+    def __call__(self, prompts, responses):
+        encoded = [self.tokenizer.encode(self.render(p, r)) for p, r in zip(prompts, responses)]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        scores = []
+        for i in range(0, len(encoded), self.batch_size):
+            chunk = encoded[i : i + self.batch_size]
+            T = max(len(e) for e in chunk)
+            ids = torch.tensor([e + [pad] * (T - len(e)) for e in chunk], device=self.device)  # [b, T] right-padded
+            mask = torch.tensor([[1] * len(e) + [0] * (T - len(e)) for e in chunk], device=self.device)
+            scores.append(self.model.score(ids, mask).float().cpu())  # [b]
+        scores = torch.cat(scores)
+        if not torch.isfinite(scores).all():
+            i = int((~torch.isfinite(scores)).nonzero()[0])
+            raise RewardError(f"reward model gave {scores[i].item()} for sample {i} (prompt {prompts[i]!r})")
+        return scores
+
+
+def make_reward_source(cfg, device="cpu", dtype=None):
+    if cfg.reward_model:
+        return RewardModelReward(cfg.reward_model, cfg, device, dtype)
     if cfg.reward_fn:
         return CallableReward(import_callable(cfg.reward_fn), cfg.reward_fn)
     return CallableReward(TASK_REWARDS[cfg.task], f"of task '{cfg.task}'")

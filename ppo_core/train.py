@@ -90,9 +90,18 @@ class Rollout:
     returns: torch.Tensor = None  # [B, R]
 
 
-def encode_prompts(tokenizer, prompts, device, pad_to=0):
-    """Left-pad the encoded prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool."""
-    encoded = [tokenizer.encode(p) for p in prompts]
+def render_prompt(tokenizer, prompt, cfg):
+    """The text the policy sees: the prompt itself, or a user turn in the policy's chat template. One
+    rendering for every stage: rollout, old/reference log-probs and values all read these token ids."""
+    if cfg.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=cfg.enable_thinking)
+    return prompt
+
+
+def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
+    """Left-pad the encoded (rendered) prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool."""
+    encoded = [tokenizer.encode(render_prompt(tokenizer, p, cfg) if cfg else p) for p in prompts]
     P = max(pad_to, max(len(e) for e in encoded))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
@@ -108,7 +117,7 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
     whatever the number of processes."""
     device = next(policy.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, pad_to)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, pad_to, cfg)
     eos = tokenizer.eos_token_id
     tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
@@ -359,14 +368,14 @@ def run(cfg: PPOConfig, resume_from=None):
     if tokenizer.vocab_size > policy.args.vocab_size:
         raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
     policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
-    reward_source = make_reward_source(cfg)
+    reward_source = make_reward_source(cfg, device, param_dtype)
     held_out = load_prompts(cfg.eval_prompts_file) if cfg.eval_prompts_file else eval_prompts(cfg.eval_size, cfg.seed)
     held_out = held_out[: cfg.eval_size]
     train_prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else []
     stream = ListPromptStream(train_prompts, cfg.seed) if train_prompts else PromptStream(cfg.seed, held_out)
     context = policy.args.max_position_embeddings
     for p in held_out + train_prompts:
-        n = len(tokenizer.encode(p))
+        n = len(tokenizer.encode(render_prompt(tokenizer, p, cfg)))
         if n + cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {p[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds "
                               f"the model's context of {context} tokens")
@@ -424,7 +433,7 @@ def run(cfg: PPOConfig, resume_from=None):
             sample_gen.manual_seed(cfg.seed * 1_000_003 + it)
             global_prompts = stream.next_batch(cfg.rollout_batch_size)
             prompts = global_prompts[rank * b : (rank + 1) * b]
-            pad_to = dist.all_reduce_max_int(max(len(tokenizer.encode(p)) for p in prompts))
+            pad_to = dist.all_reduce_max_int(max(len(tokenizer.encode(render_prompt(tokenizer, p, cfg))) for p in prompts))
             rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg,
                                              sample_gen, autocast, pad_to, (rank * b, cfg.rollout_batch_size))
             kl_coef = kl_ctl.value
