@@ -34,6 +34,7 @@ setup(
     entry_points={
         "console_scripts": [
             "ppo-train=ppo_core.train:main",
+            "ppo-plan=ppo_core.plan:main",
         ],
     },
 )

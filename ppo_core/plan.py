@@ -1,0 +1,436 @@
+"""ppo-plan: how much GPU memory a PPO run needs, per role and per GPU, from the models' config.json alone.
+
+    ppo-plan --policy ../shared/model-configs/Qwen3-4B --gpus 8 --sharding fsdp --prompt-len 512 --response-len 1024
+    ppo-plan --policy ckpt/Qwen3-8B --reward-model ckpt/Skywork-Reward-V2-Qwen3-8B --lora-rank 64 --json
+    ppo-plan --config configs/default.toml --prompt-len 8            # the run config of ppo-train
+
+A role's checkpoint is a directory holding config.json or the config.json itself; nothing else is read.
+Parameters are counted by building the model on the meta device (no memory, no weights), so they are
+this library's models exactly: `CausalLM` for the policy and reference, `ScoreModel` (backbone + a
+1-output head, no LM head) for the critic and reward model. GB = 1e9 bytes.
+
+Roles. policy: trainable CausalLM. reference: frozen CausalLM (default: the policy's config; with LoRA and
+no --reference it is the policy's own base with adapters off, so it costs nothing). critic: trainable
+ScoreModel (default: the policy's backbone). reward model: frozen ScoreModel (default: none, the reward is
+a function).
+
+Model state, n = parameters of the role, G = GPUs:
+  trainable, full fine-tuning (mixed-precision AdamW), 18 B/param:
+      weights   = 4 n (fp32 master) + 2 n (bf16 copy the matmuls read)
+      gradients = 4 n (fp32)
+      optimizer = 8 n (AdamW m and v, fp32)
+  trainable with LoRA rank r: the base is frozen (2 n, bf16) and only the adapters train (18 B each), plus
+      the critic's score head; adapters on q,k,v,o,gate,up,down of every block, r (d_in + d_out) each.
+  frozen: weights = 2 n (bf16).
+  --sharding fsdp (FSDP2, bf16 params, fp32 reduction): the fp32 master weights, gradients and optimizer
+      state (16 B/param) and frozen bf16 weights are divided by G; the bf16 copy is not kept between uses:
+      a gather working set instead, 2 B x (root + 2 blocks) of the largest model, the unit being computed
+      and the prefetched one (root = embeddings, final norm, LM or score head), + 2 B x 1 block of unsharded
+      gradients before their reduce-scatter when that model trains.
+  --offload (needs fsdp): the sharded state lives in CPU memory (reported as cpu_offload_gb), only the
+      gather working set stays on the GPU.
+  --sharding none with G > 1 is DDP (gradient_as_bucket_view: no second copy of the gradients).
+
+Training activations of one micro-batch: M sequences of T = P + R tokens per GPU, N = M T tokens,
+a = 2 (bf16 activations), f = 4 (the fp32 copy every norm makes), Dq = nh hs, Dkv = nkv hs. What autograd
+saves in this hand-written model (ppo_core/model.py), per block:
+      norms      2 N H (f + a_w) + 2 a N H    input copy in fp32 (+ the normalised x for the weight's grad,
+                                              a_w = a, or 0 when the norm weight is frozen: LoRA, OLMo's LayerNorm)
+                                              + the norm outputs, the inputs of q/k/v and of gate/up
+      q/k norm   (f + a_w) N (Dq + Dkv)       Qwen3, OLMo 2/3 only
+      attention  a N (2 Dq + 2 Dkv)           q, k after RoPE, v, the attention output (= o_proj's input)
+                 + 4 N nh                     log-sum-exp of the fused attention kernel
+                 + a M T^2                    the padding mask, converted to an additive float mask per call
+      MLP        4 a N I                      gate, silu(gate), up, silu(gate) * up
+      LoRA       7 a N r                      the rank-r intermediate of each adapter
+  once per model: 8 N (token ids) + 2 a M T hs (RoPE cos, sin) + N H (f + a_w) (final norm), and the head:
+      policy   a M R H   the response hidden states fed to the fused log-prob kernel (it never forms [N, V])
+      critic   a N H     the score head's input
+  backward transients on top of what is saved:
+      last block    2 a N I   the gradients of silu(gate) and up before gate and up are freed
+      policy head   the fused log-prob backward: dW of the LM head (V H, gradient dtype), dhidden (M R H, fp32)
+                    and its tile workspace (ppo_kernels.linear_logprobs)
+  peak = saved + the larger transient.
+  With activation checkpointing each block keeps only its input, a N H, and one block is recomputed at a time,
+  after the head's backward has finished: kept = L a N H + once + head, and
+  peak = max(kept + head transient, kept + (one block) + last-block transient).
+  The policy and the critic run their forward + backward one after the other, so the training phase needs the
+  larger of the two, not the sum.
+
+Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)):
+  KV cache = 2 (k and v) x L x B x nkv x (P + R) x hs x 2 bytes (bf16): exactly ppo_core.model.KVCache's
+             tensors (+ its [B, P+R] mask and [B] counters).
+  generation working set, the larger of: prefill a B P (3 I + 2 H) + f B P H + (a + 1) B P^2 (the biggest block
+             temporaries and the float/bool masks) and decoding 40 B V (about ten fp32 [B, V] sampling buffers).
+  scoring (policy, reference, critic and reward no-grad forwards in micro-batches of M): M rows of the same
+             prefill temporaries at T = P + R; no autograd state.
+  rollout buffers: token ids and mask 9 B T + ten fp32 [B, R] tensors.
+
+Per GPU = model state of every role + gather working set + max(rollout phase, training phase) + rollout buffers
+          + 1 GB (CUDA context, cuBLAS and NCCL workspaces; allocator fragmentation is not modelled).
+It fits when that is <= --gpu-memory-gb. Everything assumes bf16 compute as in the distributed trainer; the
+single-process loop with dtype=auto keeps fp32 weights under autocast, so its reference weights and KV cache
+take twice the bytes shown there.
+
+How the activation estimate was checked (tests/test_plan.py): a Qwen3-family model at a scaled-down size,
+trained on the CPU for one micro-batch with the loop's own code path (train.response_logprobs + algo.policy_loss,
+then train.response_values + algo.value_loss), float32, left-padded prompts. Measured twice: (1) the bytes of
+every distinct non-parameter storage autograd saves (torch.autograd.graph.saved_tensors_hooks), against the
+"saved" term above; (2) the process's peak resident memory over the forward + backward above the memory before
+it (Linux: VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned at 64 KiB so every freed
+tensor leaves RSS), against saved + transient. The same formulas are evaluated there with a = f = 4 and the
+CPU (torch) log-prob path; the KV cache is compared with KVCache's tensors built on the meta device.
+Found (8 sequences x 128 tokens, H 128, 3 blocks): peaks within -2.5% to +9% of the measured ones for policy
+and critic, with and without activation checkpointing; saved bytes within 0.3%, also for the default job itself.
+"""
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+
+import torch
+
+from .model import CausalLM, CheckpointError, ModelArgs, ScoreModel, read_config
+
+GB = 1e9
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CUDA_OVERHEAD_BYTES = 1 * GB
+
+# bytes per trainable parameter of mixed-precision AdamW, and of a frozen one
+FP32_MASTER, BF16_COPY, FP32_GRAD, ADAM_STATE, FROZEN = 4, 2, 4, 8, 2
+BYTES_PER_TRAINABLE_PARAM = FP32_MASTER + BF16_COPY + FP32_GRAD + ADAM_STATE  # 18
+
+
+class PlanError(ValueError):
+    """An input the planner cannot use; the message is shown as is."""
+
+
+# ---------------------------------------------------------------------------- the models, counted on meta
+
+def load_config(path) -> dict:
+    """config.json of a checkpoint directory, or a config.json path."""
+    if os.path.isdir(path):
+        return read_config(path)
+    if not os.path.isfile(path):
+        raise PlanError(f"no such checkpoint directory or config file: {path}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not valid JSON ({e})") from None
+
+
+def model_shape(cfg: dict, score: bool, lora_rank: int = 0) -> dict:
+    """Parameter counts of CausalLM (score=False) or ScoreModel (score=True) built from `cfg` on the meta device.
+
+    Returns args (ModelArgs), params (tied weights once), block (largest block), root (everything outside the
+    blocks), head (the score head, 0 for a CausalLM) and lora (adapter params at rank lora_rank)."""
+    counts = _meta_counts(json.dumps(cfg, sort_keys=True), score)
+    return dict(counts, args=ModelArgs.from_hf_config(cfg), lora=lora_rank * counts["lora_per_rank"])
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_counts(cfg_json: str, score: bool) -> dict:
+    args = ModelArgs.from_hf_config(json.loads(cfg_json))
+    with torch.device("meta"):
+        model = ScoreModel(args) if score else CausalLM(args)
+    params = model.num_parameters()
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.model.layers]
+    # a rank-r adapter on a d_in -> d_out projection: A [r, d_in], B [d_out, r]
+    lora_per_rank = sum(m.in_features + m.out_features for name, m in model.named_modules()
+                        if name.rsplit(".", 1)[-1] in LORA_TARGETS)
+    return dict(params=params, block=max(blocks), root=params - sum(blocks),
+                head=args.hidden_size if score else 0, lora_per_rank=lora_per_rank)
+
+
+# ---------------------------------------------------------------------------- activations and KV cache
+
+# ppo_kernels.linear_logprobs' tile sizes and rule, repeated so that planning never imports Triton
+# (tests/test_plan.py checks they agree)
+TRITON_TILE_ELEMENTS = 1 << 26
+TORCH_TILE_ELEMENTS = 1 << 23
+
+
+def _tile_shape(n_rows, n_cols, tile_elements, align=128, max_cols=8192):
+    """(rows, cols) of one logits tile of the fused log-prob kernels."""
+    rows = max(1, min(n_rows, tile_elements // align))
+    cols = max(align, min(max_cols, (tile_elements // rows) // align * align))
+    return rows, min(cols, n_cols)
+
+
+def logprob_backward_bytes(n_rows, vocab, hidden, *, act=2, grad_bytes=4, head_trainable=True, backend="triton"):
+    """Temporaries of the fused log-prob backward (ppo_kernels.linear_logprobs) for n_rows response tokens."""
+    fp32_input = act == 4
+    if backend == "triton":
+        rows, cols = _tile_shape(n_rows, vocab, TRITON_TILE_ELEMENTS)
+        workspace = rows * cols * (4 if fp32_input else act)  # dz tile
+        dh = n_rows * hidden * (8 if fp32_input else 4) + n_rows * hidden * 4  # accumulator + its fp32 result
+        slab = cols * hidden * 4 if head_trainable else 0
+    else:  # the chunked torch path, what CPU tensors run
+        rows, cols = _tile_shape(n_rows, vocab, TORCH_TILE_ELEMENTS)
+        workspace = 2 * rows * cols * 4 + rows * hidden * 4  # z and dz tiles + one dhidden tile
+        dh = n_rows * hidden * 8  # fp64 accumulator
+        slab = 0 if (rows >= n_rows and fp32_input) or not head_trainable else cols * hidden * 4
+    dw = vocab * hidden * grad_bytes if head_trainable else 0
+    return workspace + dh + slab + dw
+
+
+def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_rank=0, checkpointing=False,
+                         grad_bytes=4, backend="triton") -> dict:
+    """Bytes of one training micro-batch's activations for `role` ("policy" or "critic"): saved, transient, peak.
+
+    The formulas of the module docstring; act = bytes of an activation, fp32 = bytes of the norms' float copy."""
+    H, I, L, hs = args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.head_dim
+    nh, nkv, V = args.num_attention_heads, args.num_key_value_heads, args.vocab_size
+    T = P + R
+    N = M * T
+    Dq, Dkv = nh * hs, nkv * hs
+    # the weight * normalised-x product saves x only when the weight trains (RMSNorm, not LoRA's frozen base)
+    a_w = act if (args.norm == "rmsnorm" and lora_rank == 0) else 0
+    norm_input = N * H * (fp32 + a_w)
+    block = 2 * norm_input + 2 * act * N * H  # the two norms and their outputs (the linears' inputs)
+    if args.qk_norm:
+        block += (fp32 + a_w) * N * (Dq + Dkv)
+    if args.clip_qkv is not None:
+        block += act * N * (Dq + 2 * Dkv)  # clamp saves the projections
+    block += act * N * (2 * Dq + 2 * Dkv) + 4 * N * nh + act * M * T * T  # q, k, v, out; lse; float mask
+    block += 4 * act * N * I  # gate, silu(gate), up, product
+    block += 7 * act * N * lora_rank
+    rope_bytes = fp32 if args.float32_rope_and_norm_weight else act
+    n_rope = len({t for t, r in zip(args.layer_types, args.use_rope) if r})
+    once = 8 * N + n_rope * 2 * M * T * hs * rope_bytes + norm_input
+    if role == "policy":
+        head = act * M * R * H
+        head_transient = logprob_backward_bytes(M * R, V, H, act=act, grad_bytes=grad_bytes,
+                                                head_trainable=lora_rank == 0, backend=backend)
+    else:
+        head, head_transient = act * N * H, 0
+    layer_transient = 2 * act * N * I
+    if checkpointing:
+        # the head's backward runs before any block is recomputed; then one block at a time is live
+        kept = L * act * N * H + once + head
+        saved = kept + block
+        peak = max(kept + head_transient, saved + layer_transient)
+    else:
+        saved = L * block + once + head
+        peak = saved + max(head_transient, layer_transient)
+    return dict(per_block=block, saved=saved, transient=peak - saved, peak=peak)
+
+
+def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
+    """ppo_core.model.KVCache: k and v [L, B, nkv, P+R, hs], the [B, P+R] bool mask and [B] int64 counters."""
+    elements = args.num_hidden_layers * batch * args.num_key_value_heads * max_len * args.head_dim
+    return 2 * elements * kv_bytes + batch * max_len + 8 * batch
+
+
+def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4) -> int:
+    """Temporaries of a no-grad forward of rows x length tokens: the largest block's, and the masks."""
+    n = rows * length
+    return act * n * (3 * args.intermediate_size + 2 * args.hidden_size) + fp32 * n * args.hidden_size \
+        + (act + 1) * rows * length * length
+
+
+# ---------------------------------------------------------------------------- the plan
+
+def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
+         response_len=1024, rollout_batch=64, micro_batch=4, lora_rank=0, sharding="none", offload=False,
+         activation_checkpointing=False) -> dict:
+    """The memory plan as a dict (what --json prints). Raises PlanError / CheckpointError on bad input."""
+    for name, value in (("gpus", gpus), ("prompt_len", prompt_len), ("response_len", response_len),
+                        ("rollout_batch", rollout_batch), ("micro_batch", micro_batch)):
+        if value < 1:
+            raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if lora_rank < 0:
+        raise PlanError(f"--lora-rank must be >= 0, got {lora_rank}")
+    if gpu_memory_gb <= 0:
+        raise PlanError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}")
+    if sharding not in ("none", "fsdp"):
+        raise PlanError(f"--sharding must be none or fsdp, got {sharding!r}")
+    if offload and sharding != "fsdp":
+        raise PlanError("--offload needs --sharding fsdp (FSDP2 offloads the sharded state)")
+    fsdp = sharding == "fsdp"
+    shard = gpus if fsdp else 1
+    P, R, M = prompt_len, response_len, micro_batch
+    B = math.ceil(rollout_batch / gpus)  # rollouts per GPU
+
+    configs = {"policy": policy, "reference": reference or policy, "critic": critic or policy}
+    if reward_model:
+        configs["reward_model"] = reward_model
+    shared_base = lora_rank > 0 and (not reference or os.path.abspath(reference) == os.path.abspath(policy))
+    roles, shapes = {}, {}
+    for role, path in configs.items():
+        trainable = role in ("policy", "critic")
+        shapes[role] = shape = model_shape(load_config(path), score=role in ("critic", "reward_model"), lora_rank=lora_rank)
+        n = shape["params"]
+        if trainable and lora_rank == 0:
+            n_train, n_frozen = n, 0
+        elif trainable:  # LoRA: the adapters (and a critic's score head) train, the base is frozen
+            n_train, n_frozen = shape["lora"] + shape["head"], n - shape["head"]
+        else:
+            n_train, n_frozen = 0, 0 if (role == "reference" and shared_base) else n
+        # per GPU, before offload: the fp32 master, grads and AdamW state of trainables, bf16 frozen weights
+        weights = (FP32_MASTER * n_train + FROZEN * n_frozen) / shard + (0 if fsdp else BF16_COPY * n_train)
+        grads, optimizer = FP32_GRAD * n_train / shard, ADAM_STATE * n_train / shard
+        entry = dict(config=path, model="ScoreModel" if role in ("critic", "reward_model") else "CausalLM",
+                     trainable=trainable, params=n, trainable_params=n_train,
+                     weight_gb=weights / GB, grad_gb=grads / GB, optimizer_gb=optimizer / GB,
+                     train_state_gb=(weights + grads + optimizer) / GB)
+        if role == "reference" and shared_base:
+            entry["note"] = "the policy's frozen base with adapters disabled: no second copy"
+        if trainable:
+            acts = training_activations(shape["args"], role, M, P, R, lora_rank=lora_rank,
+                                        checkpointing=activation_checkpointing, grad_bytes=2 if fsdp else 4)
+            entry.update(activation_gb=acts["peak"] / GB, activation_saved_gb=acts["saved"] / GB,
+                         activation_transient_gb=acts["transient"] / GB)
+        if role == "policy":
+            entry["kv_cache_gb"] = kv_cache_bytes(shape["args"], B, P + R) / GB
+        roles[role] = entry
+
+    state = sum(entry["train_state_gb"] for entry in roles.values()) * GB
+    cpu_offload = 0.0
+    if offload:
+        cpu_offload, state = state, 0.0
+        for entry in roles.values():
+            entry["offloaded_gb"] = entry["train_state_gb"]
+            entry["weight_gb"] = entry["grad_gb"] = entry["optimizer_gb"] = entry["train_state_gb"] = 0.0
+    gather = 0
+    if fsdp:  # one model computes at a time: the largest one's units (a shared reference is the policy's)
+        for role, shape in shapes.items():
+            unsharded_grads = shape["block"] if roles[role]["trainable"] and lora_rank == 0 else 0
+            gather = max(gather, BF16_COPY * (shape["root"] + 2 * shape["block"] + unsharded_grads))
+    policy_args = shapes["policy"]["args"]
+    kv = roles["policy"]["kv_cache_gb"] * GB
+    generation = max(forward_working_set(policy_args, B, P), 40 * B * policy_args.vocab_size)
+    scoring = max(forward_working_set(shape["args"], M, P + R) for shape in shapes.values())
+    rollout_phase = max(kv + generation, scoring)
+    training_phase = max(roles[r]["activation_gb"] * GB for r in ("policy", "critic"))
+    buffers = 9 * B * (P + R) + 10 * 4 * B * R
+    per_gpu = state + gather + max(rollout_phase, training_phase) + buffers + CUDA_OVERHEAD_BYTES
+    return {
+        "roles": roles,
+        "gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "sharding": sharding, "offload": offload,
+        "lora_rank": lora_rank, "activation_checkpointing": activation_checkpointing,
+        "prompt_len": P, "response_len": R, "rollout_batch": rollout_batch, "rollout_batch_per_gpu": B,
+        "micro_batch": M,
+        "model_state_gb": state / GB,
+        "fsdp_gather_gb": gather / GB,
+        "rollout_phase_gb": rollout_phase / GB,
+        "kv_cache_gb": kv / GB,
+        "generation_working_set_gb": generation / GB,
+        "scoring_working_set_gb": scoring / GB,
+        "training_phase_gb": training_phase / GB,
+        "rollout_buffers_gb": buffers / GB,
+        "cuda_overhead_gb": CUDA_OVERHEAD_BYTES / GB,
+        "cpu_offload_gb": cpu_offload / GB,
+        "per_gpu_gb": per_gpu / GB,
+        "fits": per_gpu <= gpu_memory_gb * GB,
+        "headroom_gb": gpu_memory_gb - per_gpu / GB,
+    }
+
+
+# ---------------------------------------------------------------------------- the command line
+
+def _fmt_params(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def format_plan(p: dict) -> str:
+    """The human-readable table."""
+    mode = (f"LoRA rank {p['lora_rank']}" if p["lora_rank"]
+            else f"full fine-tuning (mixed-precision AdamW, {BYTES_PER_TRAINABLE_PARAM} B/param)")
+    extras = [p["sharding"] if p["sharding"] != "none" else ("DDP" if p["gpus"] > 1 else "one process")]
+    if p["offload"]:
+        extras.append("CPU offload")
+    if p["activation_checkpointing"]:
+        extras.append("activation checkpointing")
+    lines = [
+        f"{p['gpus']} GPU(s) x {p['gpu_memory_gb']:g} GB; prompt {p['prompt_len']} + response {p['response_len']} tokens; "
+        f"rollout batch {p['rollout_batch']} ({p['rollout_batch_per_gpu']} per GPU), micro-batch {p['micro_batch']} per GPU",
+        f"{mode}; {', '.join(extras)}",
+        "",
+        f"{'role':<13}{'model':<11}{'params':>9}{'trainable':>11}{'weights':>9}{'grads':>8}{'optim':>8}"
+        f"{'state':>8}{'activ.':>8}   (GB per GPU)",
+    ]
+    for role, r in p["roles"].items():
+        act = f"{r['activation_gb']:8.2f}" if "activation_gb" in r else f"{'-':>8}"
+        trainable = _fmt_params(r["trainable_params"]) if r["trainable"] else "frozen"
+        lines.append(f"{role:<13}{r['model']:<11}{_fmt_params(r['params']):>9}{trainable:>11}{r['weight_gb']:9.2f}"
+                     f"{r['grad_gb']:8.2f}{r['optimizer_gb']:8.2f}{r['train_state_gb']:8.2f}{act}"
+                     + (f"   {r['note']}" if "note" in r else ""))
+    lines += [
+        "",
+        f"model state, all roles          {p['model_state_gb']:9.2f} GB"
+        + (f"   (+ {p['cpu_offload_gb']:.2f} GB in CPU memory)" if p["offload"] else ""),
+    ]
+    if p["sharding"] == "fsdp":
+        lines.append(f"FSDP gather working set         {p['fsdp_gather_gb']:9.2f} GB")
+    lines += [
+        f"rollout phase                   {p['rollout_phase_gb']:9.2f} GB   (KV cache {p['kv_cache_gb']:.2f} + "
+        f"generation {p['generation_working_set_gb']:.2f}; scoring {p['scoring_working_set_gb']:.2f})",
+        f"training phase (activations)    {p['training_phase_gb']:9.2f} GB   (the larger of policy and critic)",
+        f"rollout buffers + CUDA overhead {p['rollout_buffers_gb'] + p['cuda_overhead_gb']:9.2f} GB",
+        f"per GPU                         {p['per_gpu_gb']:9.2f} GB of {p['gpu_memory_gb']:g}: "
+        + ("fits" if p["fits"] else "does NOT fit") + f" ({p['headroom_gb']:+.2f} GB)",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="ppo-plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", help="policy checkpoint directory or its config.json")
+    parser.add_argument("--critic", default="", help="critic checkpoint or config.json (default: the policy's backbone)")
+    parser.add_argument("--reference", default="", help="reference checkpoint or config.json (default: the policy)")
+    parser.add_argument("--reward-model", default="", help="reward model checkpoint or config.json (default: none)")
+    parser.add_argument("--config", default="", help="a ppo-train TOML: policy, reference, critic, rollout_batch_size, "
+                        "max_new_tokens, micro_batch_size, gradient_checkpointing (flags given here win)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs in the run (default 1)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GB = 1e9 bytes (default 80)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens P (default 512)")
+    parser.add_argument("--response-len", type=int, default=None, help="response tokens R (default 1024)")
+    parser.add_argument("--rollout-batch", type=int, default=None, help="rollouts per iteration, all GPUs (default 64)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward per GPU (default 4)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r (0 = full fine-tuning)")
+    parser.add_argument("--sharding", default="none", choices=("none", "fsdp"), help="none (replicas, DDP) or fsdp")
+    parser.add_argument("--offload", action="store_true", help="FSDP CPU offload of the sharded state")
+    parser.add_argument("--activation-checkpointing", action="store_true", default=None,
+                        help="recompute each block's activations in the backward pass")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    values = dict(policy=args.policy, critic=args.critic, reference=args.reference, gpus=args.gpus,
+                  prompt_len=args.prompt_len, response_len=args.response_len, rollout_batch=args.rollout_batch,
+                  micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing)
+    defaults = dict(gpus=1, prompt_len=512, response_len=1024, rollout_batch=64, micro_batch=4,
+                    activation_checkpointing=False)
+    try:
+        if args.config:
+            from .config import ConfigError, build_config, load_toml
+            try:
+                run = build_config(load_toml(args.config), toml_path=args.config)
+            except ConfigError as e:
+                raise PlanError(str(e)) from None
+            defaults.update(policy=run.policy or DEMO_CHECKPOINT, critic=run.critic, reference=run.reference,
+                            rollout_batch=run.rollout_batch_size, response_len=run.max_new_tokens,
+                            micro_batch=run.micro_batch_size, activation_checkpointing=run.gradient_checkpointing)
+        values = {k: (v if v not in (None, "") else defaults.get(k, v)) for k, v in values.items()}
+        if not values["policy"]:
+            raise PlanError("--policy is required (a checkpoint directory or config.json), or --config with a policy")
+        result = plan(values.pop("policy"), reward_model=args.reward_model, gpu_memory_gb=args.gpu_memory_gb,
+                      lora_rank=args.lora_rank, sharding=args.sharding, offload=args.offload, **values)
+    except (PlanError, CheckpointError, OSError, KeyError) as e:
+        message = f"config is missing the field {e}" if isinstance(e, KeyError) else str(e)
+        print(f"ppo-plan: error: {message}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
