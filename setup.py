@@ -27,7 +27,7 @@ setup(
         "tomli>=2.0; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.56", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "transformers>=4.56", "matplotlib>=3.7", "modal>=1.0"],
         "plot": ["matplotlib>=3.7"],
         "modal": ["modal>=1.0"],
     },
