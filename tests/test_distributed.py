@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from test_resume import DRIVER
 
-ARGS = ["--rollout_batch_size=32", "--minibatch_size=16", "--micro_batch_size=8", "--ppo_epochs=2",
+ARGS = ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=4", "--ppo_epochs=1",
         "--eval_size=8", "--progress=false", "--save_every=1"]
 WALL_CLOCK = ("time/", "tokens_per_s")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -39,8 +39,8 @@ def assert_same_run(one, two, step):
     for m1, m2 in zip(metrics(one), metrics(two), strict=True):
         assert m1.keys() == m2.keys()
         for key in m1:
-            # clip fractions count tokens across a threshold: allow one token of a 16-sequence minibatch
-            tol = 0.01 if key.endswith("clipfrac") else 1e-5
+            # clip fractions count tokens across a threshold: allow one token of an 8-sequence minibatch
+            tol = 0.02 if key.endswith("clipfrac") else 1e-5
             assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=tol), key
 
 

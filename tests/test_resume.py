@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 import ppo_core.train as train
 from ppo_core.config import build_config
 
-ARGS = ["--iterations=4", "--save_every=1", "--eval_size=16", "--rollout_batch_size=32", "--minibatch_size=16",
-        "--micro_batch_size=16", "--ppo_epochs=2", "--progress=false"]
+ARGS = ["--iterations=3", "--save_every=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=8",
+        "--micro_batch_size=8", "--ppo_epochs=1", "--progress=false"]
 WALL_CLOCK = ("time/", "tokens_per_s")
 
 # A driver that runs the real trainer but SIGKILLs its own process at a chosen point: the n-th call
@@ -74,13 +74,13 @@ def reference_run(tmp_path_factory):
 
 
 def final_weights(run_dir):
-    return (run_dir / "checkpoints" / "step-4" / "model.safetensors").read_bytes()
+    return (run_dir / "checkpoints" / "step-3" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("where, n", [
-    ("rollout", 5),   # the 3rd iteration's rollout (2 eval calls come first)
-    ("update", 7),    # the 2nd iteration's update (4 micro-batches of value loss per iteration)
-    ("save", 5),      # the 3rd save, half written: after optimizer.safetensors, before rng.safetensors
+    ("rollout", 4),   # the 2nd iteration's rollout (2 eval calls come first)
+    ("update", 3),    # the 2nd iteration's update, between its 2 minibatches (2 value-loss calls an iteration)
+    ("save", 3),      # the 2nd save, half written: after optimizer.safetensors, before rng.safetensors
     ("pointer", 2),   # the 2nd save, complete on disk but `latest` not yet moved
 ])
 def test_kill_and_resume_is_identical(reference_run, tmp_path, where, n):
@@ -94,8 +94,8 @@ def test_kill_and_resume_is_identical(reference_run, tmp_path, where, n):
     assert "resuming" in resumed.stderr
     assert metrics(run_dir) == metrics(reference_run)
     assert final_weights(run_dir) == final_weights(reference_run)
-    ref_critic = load_file(str(reference_run / "checkpoints" / "step-4" / "critic" / "model.safetensors"))
-    got_critic = load_file(str(run_dir / "checkpoints" / "step-4" / "critic" / "model.safetensors"))
+    ref_critic = load_file(str(reference_run / "checkpoints" / "step-3" / "critic" / "model.safetensors"))
+    got_critic = load_file(str(run_dir / "checkpoints" / "step-3" / "critic" / "model.safetensors"))
     assert all(torch.equal(ref_critic[k], got_critic[k]) for k in ref_critic)
     assert not [d for d in os.listdir(run_dir / "checkpoints") if d.startswith(".tmp-")]
 
@@ -103,7 +103,7 @@ def test_kill_and_resume_is_identical(reference_run, tmp_path, where, n):
 def test_automatic_resume_when_the_run_directory_has_a_checkpoint(reference_run, tmp_path):
     """What a retried Modal container does: the same command again, no --resume."""
     run_dir = tmp_path / "run"
-    killed = subprocess.run([sys.executable, "-c", DRIVER, "update", "11", *ARGS, f"--out={run_dir}"],
+    killed = subprocess.run([sys.executable, "-c", DRIVER, "update", "5", *ARGS, f"--out={run_dir}"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert killed.returncode == -signal.SIGKILL
     again = run_trainer(ARGS + [f"--out={run_dir}"], cwd=tmp_path)
