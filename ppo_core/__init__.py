@@ -4,9 +4,14 @@
     model = ppo_core.load_model("checkpoints/reverse-demo")
     tok = ppo_core.load_tokenizer("checkpoints/reverse-demo")
     tokens = ppo_core.generate(model, prompt_ids, 16, eos_token_id=tok.eos_token_id)
+    rm = ppo_core.load_reward_model("path/to/Skywork-Reward-V2-Qwen3-0.6B")   # rm.score(ids, mask) -> [B]
 """
 from .generate import generate
-from .model import CausalLM, ModelArgs, ScoreModel, load_model, load_score_model
+from .model import (
+    CausalLM, CheckpointError, KVCache, ModelArgs, ScoreModel, count_parameters, load_model, load_reward_model,
+    load_score_model,
+)
 from .tokenizer import load_tokenizer
 
-__all__ = ["CausalLM", "ModelArgs", "ScoreModel", "generate", "load_model", "load_score_model", "load_tokenizer"]
+__all__ = ["CausalLM", "CheckpointError", "KVCache", "ModelArgs", "ScoreModel", "count_parameters", "generate",
+           "load_model", "load_reward_model", "load_score_model", "load_tokenizer"]

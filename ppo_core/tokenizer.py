@@ -1,27 +1,44 @@
-"""The tokenizer: `tokenizer.json` (+ `tokenizer_config.json`) read with the `tokenizers` library.
+"""The tokenizer: `tokenizer.json` + `tokenizer_config.json` (+ the chat template) read with the `tokenizers`
+library, behaving as transformers' tokenizer on the same files.
 
     tok = load_tokenizer("checkpoints/reverse-demo")
     ids = tok.encode("abc=")            # list[int], no special tokens added
     tok.decode(ids), tok.eos_token_id, tok.pad_token_id
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+
+Special tokens come from tokenizer_config.json (strings or AddedToken dicts), else from the legacy
+special_tokens_map.json. The chat template comes from chat_template.jinja (+ additional_chat_templates/*.jinja),
+which wins over the "chat_template" entry of tokenizer_config.json, as in transformers 5.
 """
 import json
 import os
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .chat_template import render_chat_template
+
+# the named special tokens transformers passes to a chat template (`special_tokens_map`)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
 
 class Tokenizer:
-    """A thin wrapper that knows the special tokens of its checkpoint."""
+    """A thin wrapper that knows the special tokens and the chat template of its checkpoint."""
 
-    def __init__(self, tokenizer: _HFTokenizer, config: dict):
+    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None):
         self.backend = tokenizer
         self.config = config
-        self.eos_token = _token_str(config.get("eos_token"))
-        self.pad_token = _token_str(config.get("pad_token")) or self.eos_token
-        self.bos_token = _token_str(config.get("bos_token"))
+        self.special_tokens_map = _special_tokens_map(config)
+        """name -> token string, only the tokens the config sets (what chat templates see)."""
+        self.eos_token = self.special_tokens_map.get("eos_token")
+        # Without a pad token, pad with EOS (the usual choice; transformers would leave pad_token None).
+        self.pad_token = self.special_tokens_map.get("pad_token") or self.eos_token
+        self.bos_token = self.special_tokens_map.get("bos_token")
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.pad_token_id = self.token_to_id(self.pad_token)
         self.bos_token_id = self.token_to_id(self.bos_token)
+        self.chat_template = chat_template if chat_template is not None else config.get("chat_template")
+        if isinstance(self.chat_template, (list, tuple)):  # [{"name", "template"}] -> {name: template}
+            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
 
     @property
     def vocab_size(self):
@@ -36,11 +53,52 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def get_chat_template(self, chat_template=None, tools=None) -> str:
+        """The template string: `chat_template` itself, or the name of one of the checkpoint's templates, or
+        the checkpoint's ("tool_use" when tools are given and it exists, else "default")."""
+        templates = self.chat_template
+        if isinstance(templates, dict):
+            if chat_template in templates:
+                return templates[chat_template]
+            if chat_template is None:
+                if tools is not None and "tool_use" in templates:
+                    return templates["tool_use"]
+                if "default" in templates:
+                    return templates["default"]
+                raise ValueError(f"this tokenizer has several chat templates and no default: pass one of "
+                                 f"{sorted(templates)} as chat_template")
+        if chat_template is not None:
+            return chat_template
+        if templates is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                             "chat_template.jinja); pass one as chat_template")
+        return templates
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, *, tools=None,
+                            documents=None, chat_template=None, continue_final_message=False, **template_kwargs):
+        """Render `messages` with the checkpoint's chat template exactly as transformers' apply_chat_template
+        (see ppo_core/chat_template.py) -> the text (tokenize=False) or its token ids, encoded without adding
+        special tokens (transformers 5 returns a BatchEncoding by default; this returns list[int]). A list of
+        conversations gives a list of results. template_kwargs reach the template (enable_thinking=False, ...)."""
+        template = self.get_chat_template(chat_template, tools)
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        texts = [render_chat_template(template, chat, add_generation_prompt=add_generation_prompt, tools=tools,
+                                      documents=documents, continue_final_message=continue_final_message,
+                                      special_tokens=self.special_tokens_map, **template_kwargs)
+                 for chat in (messages if batched else [messages])]
+        out = [self.encode(t) for t in texts] if tokenize else texts
+        return out if batched else out[0]
+
     def save_pretrained(self, out_dir):
         os.makedirs(out_dir, exist_ok=True)
         self.backend.save(os.path.join(out_dir, "tokenizer.json"))
+        config = dict(self.config)
+        if isinstance(self.chat_template, str):
+            config["chat_template"] = self.chat_template
+        elif isinstance(self.chat_template, dict):
+            config["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_template.items()]
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(self.config, f, indent=2, sort_keys=True)
+            json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
 
 
@@ -51,6 +109,20 @@ def _token_str(tok):
     return tok
 
 
+def _special_tokens_map(config: dict) -> dict:
+    """The standard named tokens, plus model-specific `*_token` entries (e.g. image_token), as transformers 5
+    collects them into `special_tokens_map`."""
+    out = {}
+    for key, value in config.items():
+        if key in SPECIAL_TOKEN_NAMES or (key.endswith("_token") and isinstance(value, (str, dict))):
+            if _token_str(value) is not None:
+                out[key] = _token_str(value)
+    for extra in (config.get("model_specific_special_tokens"), config.get("extra_special_tokens")):
+        if isinstance(extra, dict):
+            out.update({k: _token_str(v) for k, v in extra.items() if _token_str(v) is not None})
+    return out
+
+
 def load_tokenizer(path) -> Tokenizer:
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
@@ -58,6 +130,28 @@ def load_tokenizer(path) -> Tokenizer:
     config = {}
     cfg_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
+        with open(cfg_file, encoding="utf-8") as f:
             config = json.load(f)
-    return Tokenizer(_HFTokenizer.from_file(tok_file), config)
+    # legacy layout: special tokens in special_tokens_map.json (transformers reads it when the config has no
+    # added_tokens_decoder; the config's own entries win)
+    legacy = os.path.join(path, "special_tokens_map.json")
+    if os.path.isfile(legacy) and "added_tokens_decoder" not in config:
+        with open(legacy, encoding="utf-8") as f:
+            for key, value in json.load(f).items():
+                if not config.get(key):
+                    config[key] = value
+    # chat_template.jinja and additional_chat_templates/NAME.jinja win over tokenizer_config.json
+    templates = {}
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            templates["default"] = f.read()
+    extra_dir = os.path.join(path, "additional_chat_templates")
+    if os.path.isdir(extra_dir):
+        for name in sorted(os.listdir(extra_dir)):
+            if name.endswith(".jinja"):
+                with open(os.path.join(extra_dir, name), encoding="utf-8") as f:
+                    templates[name[: -len(".jinja")]] = f.read()
+    chat_template = None
+    if templates:
+        chat_template = templates["default"] if list(templates) == ["default"] else templates
+    return Tokenizer(_HFTokenizer.from_file(tok_file), config, chat_template)

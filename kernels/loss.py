@@ -1,0 +1,460 @@
+"""The PPO clipped policy loss in one pass, and fused with the LM-head projection (linear_policy_loss).
+
+    r = exp(clamp(logp - old_logp, -20, 20))
+    L_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            (Schulman et al. 2017)
+    L_t = min(L_t, dual_clip * |A|)  for A < 0, with dual_clip           (Ye et al. 2020)
+    L_t += kl_coef * KL_t(logp, ref_logp),  KL one of k1 / k2 / k3        (Schulman, "Approximating KL")
+    loss = aggregate(L, mask, agg)  =  sum_t w_t L_t
+
+Every aggregation mode of `ppo_core.algo.aggregate` is linear in L, so it is a weighted sum with per-token
+weights w that depend on the mask alone (`_token_weights`). The loss is a scalar, so dloss/dlogp_t = w_t dL_t/dlogp_t
+is known in the forward: both paths compute it there, with the same tie rules as torch autograd
+(max/min split a tie's gradient in half; clamp passes gradient on its closed interval), and the backward only
+scales it by the incoming scalar gradient. Gradients flow to logp (and, in linear_policy_loss, to hidden and
+weight); old_logp, advantages and ref_logp are treated as constants.
+
+In this file:
+  - `policy_loss_reference`: `ppo_core.algo.policy_loss` plus the KL term through `algo.kl_estimate` and
+    `algo.aggregate`: the plain PyTorch the others are tested against.
+  - `_policy_loss_kernel` (Triton): one pass over the tokens: loss, gradient and the stats' partial sums.
+  - `_loss_terms_torch`: the same closed form in torch (CPU, and inside linear_policy_loss).
+  - `linear_policy_loss`: log-probs from hidden states and the LM head, then the loss, in one pass on the torch
+    path: each block of rows gets its full-vocabulary logits tile, its log-probs, its loss gradient and then
+    its contribution to dhidden and dweight while the tile is on hand (3 matmuls, as the naive path, with one
+    [rows, V] fp32 buffer). The Triton path composes the fused log-prob kernels (the backward's tile recompute
+    makes it 4 matmuls).
+"""
+import torch
+
+from . import linear_logprobs as _linear
+from .logprobs import IGNORE_INDEX, _backend, _compute_dtype
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+LOG_RATIO_CLAMP = 20.0
+# Elements in the [rows, V] logits buffer of linear_policy_loss's torch path (fp32: 128 MiB).
+TORCH_LOSS_TILE_ELEMENTS = 1 << 25
+DH_BLOCK = 8192  # vocabulary columns per fp32 product in dhidden's fp64 accumulation
+
+
+def policy_loss_reference(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                          agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *,
+                          ref_logp=None, kl_coef=0.0, kl_kind="k3"):
+    """ppo_core.algo.policy_loss, plus kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)) when kl_coef != 0."""
+    from ppo_core import algo
+
+    loss, stats = algo.policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
+                                   num_tokens, num_seqs, norm_const)
+    if kl_coef != 0.0:
+        kl = algo.kl_estimate(logp, ref_logp, kl_kind)
+        loss = loss + kl_coef * algo.aggregate(kl, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                               norm_const=norm_const)
+        stats["kl"] = algo.masked_mean(kl, mask).detach()
+    return loss, stats
+
+
+def linear_policy_loss_reference(hidden, weight, labels, old_logp, advantages, mask, *, temperature=1.0,
+                                 clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None,
+                                 kl_coef=0.0, kl_kind="k3", num_tokens=None, num_seqs=None, norm_const=None):
+    """The naive path: full logits, log-softmax + gather, then policy_loss_reference."""
+    logp = _linear.linear_token_logprobs_reference(hidden, weight, labels, temperature=temperature)
+    return policy_loss_reference(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
+                                 num_tokens, num_seqs, norm_const, ref_logp=ref_logp, kl_coef=kl_coef,
+                                 kl_kind=kl_kind)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregation as per-token weights
+# ----------------------------------------------------------------------------------------------------------------
+def _count(count, like):
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def _token_weights(mask, agg, num_tokens, num_seqs, norm_const, dtype):
+    """w [*mask.shape] with aggregate(L, mask, agg) == sum(w * L): the reductions of ppo_core.algo.aggregate."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    mask = mask.to(dtype)
+    if agg == "token-mean":
+        # sum(L * mask) / num_tokens
+        return mask / _count(mask.sum() if num_tokens is None else num_tokens, mask)
+    tokens_per_seq = mask.sum(-1, keepdim=True)  # [B, 1]
+    seqs = _count((tokens_per_seq > 0).sum() if num_seqs is None else num_seqs, mask)
+    if agg == "seq-mean-token-mean":
+        # sum_i [sum_t L_it mask_it / n_i] / num_seqs  (empty rows: mask 0, so weight 0)
+        return mask / (tokens_per_seq.clamp(min=1) * seqs)
+    if agg == "seq-mean-token-sum":
+        return mask / seqs
+    # Dr. GRPO: seq-mean of token sums over a constant (default: the padded length)
+    return mask / (seqs * (mask.shape[-1] if norm_const is None else norm_const))
+
+
+def _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp):
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
+    if kl_kind not in KL_KINDS:
+        raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kl_kind!r}")
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError("kl_coef != 0 needs ref_logp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernel: loss, gradient and stats in one pass over the tokens
+# ----------------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _policy_loss_kernel(
+        logp_ptr, old_ptr, adv_ptr, weight_ptr, mask_ptr, ref_ptr,  # [N] fp32 each (ref read only if HAS_KL)
+        grad_ptr,  # [N] fp32 out: dloss / dlogp
+        partials_ptr,  # [n_blocks, 8] fp32 out: loss, clip, dual, approx_kl, ratio, max |r - 1|, kl, (unused)
+        N, clip_low, clip_high, dual_clip, kl_coef,
+        HAS_DUAL: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < N
+        logp = tl.load(logp_ptr + offs, mask=inb, other=0.0)
+        old = tl.load(old_ptr + offs, mask=inb, other=0.0)
+        adv = tl.load(adv_ptr + offs, mask=inb, other=0.0)
+        w = tl.load(weight_ptr + offs, mask=inb, other=0.0)
+        m = tl.load(mask_ptr + offs, mask=inb, other=0.0)
+        real = m != 0
+
+        raw = logp - old
+        log_ratio = tl.minimum(tl.maximum(raw, -20.0), 20.0)
+        in_clamp = tl.where((raw >= -20.0) & (raw <= 20.0), 1.0, 0.0)  # clamp's gradient (closed interval)
+        ratio = tl.exp(log_ratio)
+        # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+        pg1 = -adv * ratio
+        pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+        in_clip = tl.where((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high), 1.0, 0.0)
+        d1 = pg1 * in_clamp  # d(-A r)/dlogp = -A r
+        d2 = pg1 * in_clip * in_clamp
+        pg = tl.maximum(pg1, pg2)
+        dpg = tl.where(pg1 > pg2, d1, tl.where(pg1 == pg2, 0.5 * (d1 + d2), d2))  # torch.maximum's tie rule
+        clipped = tl.where(real & (pg2 > pg1), m, 0.0)
+        dual = tl.zeros((BLOCK,), dtype=tl.float32)
+        if HAS_DUAL:
+            # for A < 0: L = min(L^CLIP, -A c)
+            pg3 = -adv * dual_clip
+            negative = adv < 0
+            dual = tl.where(real & negative & (pg > pg3), m, 0.0)
+            dpg = tl.where(negative, tl.where(pg < pg3, dpg, tl.where(pg == pg3, 0.5 * dpg, 0.0)), dpg)
+            pg = tl.where(negative, tl.minimum(pg, pg3), pg)
+        loss_t = pg
+        dloss_t = dpg
+        kl = tl.zeros((BLOCK,), dtype=tl.float32)
+        if HAS_KL:
+            ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
+            if KL_KIND == 1:  # k1 = logp - ref
+                kl = logp - ref
+                dkl = tl.full((BLOCK,), 1.0, dtype=tl.float32)
+            elif KL_KIND == 2:  # k2 = 1/2 (logp - ref)^2
+                kl = 0.5 * (logp - ref) * (logp - ref)
+                dkl = logp - ref
+            else:  # k3 = exp(ref - logp) - (ref - logp) - 1
+                e = tl.exp(ref - logp)
+                kl = e - (ref - logp) - 1.0
+                dkl = 1.0 - e
+            loss_t += kl_coef * kl
+            dloss_t += kl_coef * dkl
+        tl.store(grad_ptr + offs, tl.where(w != 0, w * dloss_t, 0.0), mask=inb)
+        row = partials_ptr + block * 8
+        tl.store(row + 0, tl.sum(tl.where(w != 0, w * loss_t, 0.0), axis=0))
+        tl.store(row + 1, tl.sum(clipped, axis=0))
+        tl.store(row + 2, tl.sum(dual, axis=0))
+        # approx KL(old || new), k3: (r - 1) - log r
+        tl.store(row + 3, tl.sum(tl.where(real, m * ((ratio - 1.0) - log_ratio), 0.0), axis=0))
+        tl.store(row + 4, tl.sum(tl.where(real, m * ratio, 0.0), axis=0))
+        tl.store(row + 5, tl.max(tl.where(real & inb, tl.abs(ratio - 1.0), 0.0), axis=0))
+        tl.store(row + 6, tl.sum(tl.where(real, m * kl, 0.0), axis=0))
+        tl.store(row + 7, 0.0)
+
+
+def _loss_terms_triton(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind):
+    # flat [N] fp32 inputs. Returns (loss, dloss/dlogp [N], stats sums [7]: as the kernel's partials).
+    N = logp.numel()
+    block = 1024
+    n_blocks = max(1, triton.cdiv(N, block))
+    grad = torch.empty_like(logp)
+    partials = torch.empty((n_blocks, 8), device=logp.device, dtype=torch.float32)
+    has_kl = kl_coef != 0.0
+    _policy_loss_kernel[(n_blocks,)](
+        logp, old, adv, w, mask, ref if has_kl else logp, grad, partials,
+        N, float(clip_low), float(clip_high), float(dual_clip or 0.0), float(kl_coef),
+        HAS_DUAL=dual_clip is not None, HAS_KL=has_kl, KL_KIND=KL_KINDS.index(kl_kind) + 1, BLOCK=block,
+    )
+    sums = partials[:, :7].sum(0)  # fixed order: deterministic
+    sums[5] = partials[:, 5].max()
+    return sums[0], grad, sums[1:]
+
+
+def _loss_terms_torch(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind):
+    """The kernel's math in torch, on any shape. Returns (loss, dloss/dlogp, stats sums [6])."""
+    real = mask != 0
+    raw = logp - old
+    log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    in_clamp = ((raw >= -LOG_RATIO_CLAMP) & (raw <= LOG_RATIO_CLAMP)).to(logp.dtype)
+    ratio = torch.exp(log_ratio)
+    # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    in_clip = ((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)).to(logp.dtype)
+    d1 = pg1 * in_clamp  # d(-A r)/dlogp = -A r
+    d2 = d1 * in_clip
+    pg = torch.maximum(pg1, pg2)
+    dpg = torch.where(pg1 > pg2, d1, torch.where(pg1 == pg2, 0.5 * (d1 + d2), d2))  # torch.maximum's tie rule
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    clipped = torch.where(real & (pg2 > pg1), mask, zero).sum()
+    dual = zero
+    if dual_clip is not None:
+        # for A < 0: L = min(L^CLIP, -A c)
+        pg3 = -adv * dual_clip
+        negative = adv < 0
+        dual = torch.where(real & negative & (pg > pg3), mask, zero).sum()
+        dpg = torch.where(negative, torch.where(pg < pg3, dpg, torch.where(pg == pg3, 0.5 * dpg, zero)), dpg)
+        pg = torch.where(negative, torch.minimum(pg, pg3), pg)
+    loss_t, dloss_t, kl = pg, dpg, zero
+    if kl_coef != 0.0:
+        if kl_kind == "k1":  # k1 = logp - ref
+            kl, dkl = logp - ref, torch.ones_like(logp)
+        elif kl_kind == "k2":  # k2 = 1/2 (logp - ref)^2
+            kl, dkl = 0.5 * (logp - ref) ** 2, logp - ref
+        else:  # k3 = exp(ref - logp) - (ref - logp) - 1
+            e = torch.exp(ref - logp)
+            kl, dkl = e - (ref - logp) - 1.0, 1.0 - e
+        loss_t = loss_t + kl_coef * kl
+        dloss_t = dloss_t + kl_coef * dkl
+    nonzero_w = w != 0
+    loss = torch.where(nonzero_w, w * loss_t, zero).sum()
+    grad = torch.where(nonzero_w, w * dloss_t, zero)
+    sums = torch.stack([
+        clipped, dual,
+        torch.where(real, mask * ((ratio - 1.0) - log_ratio), zero).sum(),  # approx KL(old || new), k3
+        torch.where(real, mask * ratio, zero).sum(),
+        torch.where(real, (ratio - 1.0).abs(), zero).max() if ratio.numel() else zero,
+        torch.where(real, mask * kl, zero).sum(),
+    ])
+    return loss, grad, sums
+
+
+def _stats(sums, mask, dual_clip, kl_coef):
+    """The stats dict of ppo_core.algo.policy_loss (+ 'kl'), from the sums: masked means over mask."""
+    count = mask.sum().clamp(min=1)
+    stats = {"clipfrac": sums[0] / count}
+    if dual_clip is not None:
+        stats["dual_clipfrac"] = sums[1] / count
+    stats["approx_kl"] = sums[2] / count
+    stats["ratio_mean"] = sums[3] / count
+    stats["ratio_max_dev"] = sums[4]
+    if kl_coef != 0.0:
+        stats["kl"] = sums[5] / count
+    return {k: v.detach() for k, v in stats.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# policy_loss: autograd wrapper and dispatch
+# ----------------------------------------------------------------------------------------------------------------
+class _ScaledGrad(torch.autograd.Function):
+    """loss (a scalar whose gradients were formed in the forward) -> backward scales them by dloss."""
+
+    @staticmethod
+    def forward(ctx, loss, *inputs_and_grads):
+        n = len(inputs_and_grads) // 2
+        ctx.save_for_backward(*inputs_and_grads[n:])
+        ctx.n = n
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = ctx.saved_tensors
+        # the usual grad_loss is exactly 1: hand the buffers over instead of copying a [V, H] gradient
+        one = grad_loss.numel() == 1 and bool(grad_loss == 1)
+        scaled = [g if g is None or one else g * grad_loss.to(g.dtype) for g in grads]
+        return (None, *scaled, *([None] * ctx.n))
+
+
+def _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens, num_seqs,
+                 norm_const, ref_logp, kl_coef, kl_kind, backend):
+    _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp)
+    acc = _compute_dtype(logp.dtype) if backend == "torch" else torch.float32
+    with torch.no_grad():  # the gradient is formed here, in closed form
+        weights = _token_weights(mask, agg, num_tokens, num_seqs, norm_const, acc)
+        flat = [t.reshape(-1).to(acc).contiguous() for t in (logp, old_logp, advantages, weights, mask)]
+        ref = ref_logp.reshape(-1).to(acc).contiguous() if kl_coef != 0.0 else None  # not read when kl_coef == 0
+        terms = _loss_terms_triton if backend == "triton" else _loss_terms_torch
+        loss, grad, sums = terms(*flat, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind)
+        stats = _stats(sums, mask.to(acc), dual_clip, kl_coef)
+        grad = grad.view(logp.shape).to(logp.dtype)
+    return _ScaledGrad.apply(loss.to(logp.dtype), logp, grad), stats
+
+
+def policy_loss_triton(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                       agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, ref_logp=None,
+                       kl_coef=0.0, kl_kind="k3"):
+    """`policy_loss` on the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
+                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, "triton")
+
+
+def policy_loss_torch(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                      agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, ref_logp=None,
+                      kl_coef=0.0, kl_kind="k3"):
+    """`policy_loss` on the closed-form torch path (any device)."""
+    return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
+                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, "torch")
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, ref_logp=None,
+                kl_coef=0.0, kl_kind="k3"):
+    """ppo_core.algo.policy_loss (same arguments, loss and stats), fused, plus an optional KL-to-reference term.
+
+    logp: [B, T] current log-probs (with grad); old_logp, advantages, mask: [B, T]; ref_logp: [B, T] or None,
+    read only when kl_coef != 0; kl_kind: "k1" | "k2" | "k3". The loss adds kl_coef * aggregate(KL) and the stats
+    add "kl" (masked mean of the estimate) when kl_coef != 0. Returns (loss 0-dim, stats dict of detached 0-dim).
+    Gradient flows to logp only.
+    """
+    return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
+                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, _backend(logp.device))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear_policy_loss: the loss fused into the LM-head projection
+# ----------------------------------------------------------------------------------------------------------------
+def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_grad_fn, need_dh=True, need_dw=True):
+    """One pass over blocks of rows with their full-V logits: log-probs, then dloss/dz and its matmuls.
+
+    token_grad_fn(rows, logp_rows) -> dloss/dlogp for those rows (the loss is elementwise in logp).
+    Returns logp [Nk], dhidden [Nk, H], dweight [V, H], all in the compute dtype.
+    """
+    Nk, H = h_kept.shape
+    V = weight.shape[0]
+    acc = _compute_dtype(h_kept.dtype)
+    h = h_kept.to(acc)
+    if temperature != 1.0:
+        h = h / temperature  # z = h @ W.T with h = hidden / T: dW = dz.T @ h, dhidden = dz @ W / T
+    w = weight.to(acc)
+    logp = torch.empty(Nk, device=h.device, dtype=acc)
+    dh = torch.empty((Nk, H), device=h.device, dtype=acc) if need_dh else None
+    dw = torch.zeros((V, H), device=h.device, dtype=acc) if need_dw else None
+    rows_per_tile = max(1, min(Nk, TORCH_LOSS_TILE_ELEMENTS // max(V, 1)))
+    buf = torch.empty(rows_per_tile * V, device=h.device, dtype=acc)
+    for r0 in range(0, Nk, rows_per_tile):
+        r1 = min(r0 + rows_per_tile, Nk)
+        n, rows = r1 - r0, slice(r0, r1)
+        z = torch.mm(h[rows], w.T, out=buf[: n * V].view(n, V))  # [n, V], the only [*, V] buffer
+        m = z.amax(1)
+        label_z = z.gather(1, labels_kept[rows].unsqueeze(1)).squeeze(1)
+        e = z.sub_(m.unsqueeze(1)).exp_()  # exp(z - m), in place
+        s = e.sum(1)
+        logp[rows] = (label_z - m) - torch.log(s)
+        g = token_grad_fn(rows, logp[rows])  # [n] dloss/dlogp
+        # dloss/dz = g (onehot(label) - p),  p = e / s
+        dz = e.mul_((-g / s).unsqueeze(1))
+        dz[torch.arange(n, device=h.device), labels_kept[rows]] += g
+        if need_dh:
+            # dz @ W over blocks of V, accumulated in fp64: the terms cancel (see linear_logprobs._tile_shape)
+            dh_rows = torch.zeros((n, H), device=h.device, dtype=torch.float64)
+            for v0 in range(0, V, DH_BLOCK):
+                dh_rows += torch.mm(dz[:, v0:v0 + DH_BLOCK], w[v0:v0 + DH_BLOCK])
+            dh[rows] = dh_rows
+        if need_dw:
+            dw.addmm_(dz.T, h[rows])  # [V, H]
+    if need_dh and temperature != 1.0:
+        dh.div_(temperature)
+    return logp, dh, dw
+
+
+def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low, clip_high,
+                        dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs, norm_const, backend):
+    _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp)
+    if hidden.shape[:-1] != mask.shape or labels.shape != mask.shape:
+        raise ValueError(f"hidden [..., H] {tuple(hidden.shape)}, labels {tuple(labels.shape)} and mask "
+                         f"{tuple(mask.shape)} must share their leading shape")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    with torch.no_grad():  # every gradient is formed here; autograd only sees _ScaledGrad
+        acc = _compute_dtype(hidden.dtype) if backend == "torch" else torch.float32
+        H = hidden.shape[-1]
+        flat_hidden, flat_labels = hidden.reshape(-1, H), labels.reshape(-1)
+        weights = _token_weights(mask, agg, num_tokens, num_seqs, norm_const, acc).reshape(-1)
+        old, adv, flat_mask = (t.reshape(-1).to(acc) for t in (old_logp, advantages, mask))
+        ref = ref_logp.reshape(-1).to(acc) if kl_coef != 0.0 else None  # never read when kl_coef == 0
+        params = (clip_low, clip_high, dual_clip, kl_coef, kl_kind)
+        terms = _loss_terms_triton if backend == "triton" else _loss_terms_torch
+
+        # Only rows that enter the loss get projected: masked-out and label -100 rows have weight 0 or a
+        # constant log-prob of 0 (as in the reference's token_logprobs), so they need no logits.
+        kept = ((weights != 0) & (flat_labels != IGNORE_INDEX)).nonzero().squeeze(1)  # [Nk]
+        h_kept, labels_kept = flat_hidden.index_select(0, kept), flat_labels.index_select(0, kept)
+
+        def token_grad(rows, logp_rows):  # dloss/dlogp for kept rows `rows`: the loss is elementwise in logp
+            idx = kept[rows]
+            sub = (logp_rows, old[idx], adv[idx], weights[idx], flat_mask[idx], ref[idx] if ref is not None else None)
+            return terms(*(t.contiguous() if t is not None else None for t in sub), *params)[1]
+
+        need_dh, need_dw = hidden.requires_grad, weight.requires_grad
+        if backend == "torch":
+            logp_kept, dh_kept, dw = _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_grad,
+                                                              need_dh, need_dw)
+        else:
+            logp_kept, ent_kept, lse_kept = _linear._fwd_triton(h_kept, weight, labels_kept, temperature)
+            g = token_grad(slice(0, kept.numel()), logp_kept)
+            dh_kept, dw = _linear._bwd_triton(h_kept, weight, labels_kept, temperature, lse_kept, ent_kept, g, None,
+                                              need_dh, need_dw)
+        logp = torch.zeros(flat_labels.numel(), device=hidden.device, dtype=acc).index_copy_(0, kept, logp_kept.to(acc))
+        loss, _, sums = terms(logp, old.contiguous(), adv.contiguous(), weights.contiguous(), flat_mask.contiguous(),
+                              ref.contiguous() if ref is not None else None, *params)
+        stats = _stats(sums, flat_mask, dual_clip, kl_coef)
+        stats["logp_mean"] = ((logp * flat_mask).sum() / flat_mask.sum().clamp(min=1)).detach()
+        dhidden = dweight = None
+        if need_dh:
+            dhidden = torch.zeros(flat_hidden.shape, device=hidden.device, dtype=hidden.dtype)
+            dhidden = dhidden.index_copy_(0, kept, dh_kept.to(hidden.dtype)).view(hidden.shape)
+        if need_dw:
+            dweight = dw.to(weight.dtype)
+    loss = _ScaledGrad.apply(loss.to(acc), hidden, weight, dhidden, dweight)
+    return loss, stats
+
+
+def linear_policy_loss_triton(hidden, weight, labels, old_logp, advantages, mask, **kwargs):
+    """`linear_policy_loss` on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    return _linear_policy_loss_kw(hidden, weight, labels, old_logp, advantages, mask, "triton", **kwargs)
+
+
+def linear_policy_loss_torch(hidden, weight, labels, old_logp, advantages, mask, **kwargs):
+    """`linear_policy_loss` on the one-pass torch path (what CPU tensors run)."""
+    return _linear_policy_loss_kw(hidden, weight, labels, old_logp, advantages, mask, "torch", **kwargs)
+
+
+def _linear_policy_loss_kw(hidden, weight, labels, old_logp, advantages, mask, backend, *, temperature=1.0,
+                           clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None,
+                           kl_coef=0.0, kl_kind="k3", num_tokens=None, num_seqs=None, norm_const=None):
+    return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
+                               clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs,
+                               norm_const, backend)
+
+
+def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, *, temperature=1.0, clip_low=0.2,
+                       clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None, kl_coef=0.0, kl_kind="k3",
+                       num_tokens=None, num_seqs=None, norm_const=None):
+    """policy_loss(linear_token_logprobs(hidden, weight, labels, temperature), ...) without the [N, V] logits.
+
+    hidden: [N, H] or [B, T, H]; weight: [V, H]; labels, old_logp, advantages, mask (and ref_logp): [N] or
+    [B, T], the same leading shape as hidden ([N] counts as one sequence for the seq-mean modes).
+    Other arguments as in `policy_loss`; num_tokens / num_seqs / norm_const as in ppo_core.algo.aggregate.
+    Returns (loss 0-dim, stats): policy_loss's stats plus "logp_mean" (masked mean log-prob).
+    Gradients flow to hidden and weight; they are formed in the forward, which therefore costs what forward
+    and backward of the naive path cost, and the backward only scales them.
+    """
+    return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
+                               clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs,
+                               norm_const, _backend(hidden.device))

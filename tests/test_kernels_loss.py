@@ -1,0 +1,272 @@
+"""Tests of ppo_kernels.policy_loss and linear_policy_loss against ppo_core.algo.policy_loss (the reference).
+
+    python -m pytest -q tests/test_kernels_loss.py
+
+The reference is autograd through ppo_core.algo.policy_loss (+ algo.kl_estimate for the KL term); the fused
+paths form the gradient in closed form, so gradients are compared with autograd, in float64 on the torch
+path (to 1e-12) and in float32 on the Triton kernel (interpreter without a GPU).
+"""
+import math
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before ppo_kernels imports triton
+
+import pytest
+import torch
+
+pytest.importorskip("ppo_core.algo")
+import ppo_kernels
+import ppo_kernels.loss as loss_module
+from ppo_kernels.loss import (
+    linear_policy_loss_reference, linear_policy_loss_torch, linear_policy_loss_triton, policy_loss_reference,
+    policy_loss_torch, policy_loss_triton,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def poisoned_empty():
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(8).isnan().all()
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def batch(B=4, T=33, dtype=torch.float64, spread=0.3, device="cpu"):
+    logp = torch.randn(B, T, dtype=dtype) * 0.5 - 2.0
+    old_logp = logp + torch.randn(B, T, dtype=dtype) * spread
+    advantages = torch.randn(B, T, dtype=dtype)
+    mask = (torch.rand(B, T) > 0.25).to(dtype)
+    mask[1] = 0  # a fully masked row
+    ref_logp = logp + torch.randn(B, T, dtype=dtype) * 0.2
+    return [t.to(device) for t in (logp, old_logp, advantages, mask, ref_logp)]
+
+
+def loss_and_grad(fn, logp, *args, **kwargs):
+    x = logp.detach().clone().requires_grad_()
+    loss, stats = fn(x, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), x.grad, {k: v.item() for k, v in stats.items()}
+
+
+def assert_same(a, b, tol):
+    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = a, b
+    assert abs(loss_a.item() - loss_b.item()) <= tol * max(1.0, abs(loss_b.item())), (loss_a, loss_b)
+    assert (grad_a.double().cpu() - grad_b.double().cpu()).abs().max().item() <= tol, "gradient"
+    assert set(stats_a) == set(stats_b)
+    for key in stats_b:
+        assert abs(stats_a[key] - stats_b[key]) <= tol * max(1.0, abs(stats_b[key])), key
+
+
+# ---------------------------------------------------------------------------------------------------- policy_loss
+CONFIGS = [
+    dict(),
+    dict(clip_low=0.1, clip_high=0.28),
+    dict(dual_clip=3.0),
+    dict(kl_coef=0.1, kl_kind="k1"),
+    dict(kl_coef=0.1, kl_kind="k2", dual_clip=2.0),
+    dict(kl_coef=0.05, kl_kind="k3", clip_high=0.3),
+]
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_torch_path_matches_reference_float64(agg, config):
+    logp, old_logp, advantages, mask, ref_logp = batch()
+    kwargs = dict(CONFIGS[config], agg=agg)
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    expected = loss_and_grad(policy_loss_reference, logp, old_logp, advantages, mask, **kwargs)
+    assert_same(loss_and_grad(policy_loss_torch, logp, old_logp, advantages, mask, **kwargs), expected, 1e-12)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_triton_matches_reference(agg, config, poisoned_empty):
+    logp, old_logp, advantages, mask, ref_logp = batch(B=3, T=1500, dtype=torch.float32, device=TRITON_DEVICE)
+    kwargs = dict(CONFIGS[config], agg=agg)
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    expected = loss_and_grad(policy_loss_reference, logp.double(), old_logp.double(), advantages.double(),
+                             mask.double(), **{k: (v.double() if torch.is_tensor(v) else v) for k, v in kwargs.items()})
+    assert_same(loss_and_grad(policy_loss_triton, logp, old_logp, advantages, mask, **kwargs), expected, 2e-6)
+
+
+def test_num_tokens_num_seqs_norm_const():
+    logp, old_logp, advantages, mask, _ = batch()
+    for agg, extra in [("token-mean", dict(num_tokens=1000)), ("seq-mean-token-mean", dict(num_seqs=17)),
+                       ("seq-mean-token-sum", dict(num_seqs=5)), ("seq-mean-token-sum-norm", dict(norm_const=64))]:
+        expected = loss_and_grad(policy_loss_reference, logp, old_logp, advantages, mask, agg=agg, **extra)
+        got = loss_and_grad(policy_loss_torch, logp, old_logp, advantages, mask, agg=agg, **extra)
+        assert_same(got, expected, 1e-12)
+
+
+def test_edge_ratios_and_advantages():
+    # ratio exactly 1, exactly at 1 +- clip (ties between the branches), beyond them, |logp - old| = 50 (the clamp),
+    # advantages 0 / positive / negative, and dual clip on and off
+    ratios = torch.tensor([1.0, 1.25, 0.75, 1.5, 0.5], dtype=torch.float64)
+    log_ratio = torch.cat([ratios.log(), torch.tensor([50.0, -50.0, 20.0, -20.0], dtype=torch.float64)])
+    clip_high = ratios[1].item() - 1.0  # exactly representable boundaries: 1 + clip_high == r
+    clip_low = 1.0 - ratios[2].item()
+    rows = []
+    for a in (0.0, 1.0, -1.0, -7.0):
+        rows.append(torch.full_like(log_ratio, a))
+    advantages = torch.stack(rows)  # [4, 9]
+    old_logp = torch.zeros_like(advantages)  # so that logp - old_logp is log_ratio exactly
+    logp = old_logp + log_ratio
+    mask = torch.ones_like(advantages)
+    # dual_clip equal to one token's ratio: with A = -1 that token ties the dual cap exactly
+    for dual_clip in (None, 3.0, torch.exp(log_ratio[3]).item()):
+        kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+        expected = loss_and_grad(policy_loss_reference, logp, old_logp, advantages, mask, **kwargs)
+        assert_same(loss_and_grad(policy_loss_torch, logp, old_logp, advantages, mask, **kwargs), expected, 1e-12)
+        got = loss_and_grad(policy_loss_triton, logp.float().to(TRITON_DEVICE), old_logp.float().to(TRITON_DEVICE),
+                            advantages.float().to(TRITON_DEVICE), mask.float().to(TRITON_DEVICE), **kwargs)
+        assert torch.isfinite(got[1]).all() and math.isfinite(got[0].item())
+        assert (got[1][:, 5:7] == 0).all()  # |log ratio| = 50: the clamp passes no gradient
+
+
+@pytest.mark.parametrize("fn", [policy_loss_torch, policy_loss_triton])
+def test_fully_masked_batch_is_zero_not_nan(fn):
+    device = "cpu" if fn is policy_loss_torch else TRITON_DEVICE
+    logp, old_logp, advantages, mask, ref_logp = batch(dtype=torch.float32, device=device)
+    for agg in AGG_MODES:
+        loss, grad, stats = loss_and_grad(fn, logp, old_logp, advantages, torch.zeros_like(mask), agg=agg,
+                                          dual_clip=3.0, kl_coef=0.1, ref_logp=ref_logp)
+        assert loss.item() == 0.0 and (grad == 0).all()
+        assert all(v == 0.0 for v in stats.values()), stats
+
+
+@pytest.mark.parametrize("fn", [policy_loss_torch, policy_loss_triton])
+def test_kl_coef_zero_never_reads_ref(fn):
+    device = "cpu" if fn is policy_loss_torch else TRITON_DEVICE
+    logp, old_logp, advantages, mask, _ = batch(dtype=torch.float32, device=device)
+    poisoned_ref = torch.full_like(logp, float("nan"))
+    without = loss_and_grad(fn, logp, old_logp, advantages, mask)
+    with_nan_ref = loss_and_grad(fn, logp, old_logp, advantages, mask, ref_logp=poisoned_ref, kl_coef=0.0)
+    assert torch.equal(without[0], with_nan_ref[0]) and torch.equal(without[1], with_nan_ref[1])
+    assert "kl" not in with_nan_ref[2]
+
+
+def test_gradcheck_float64():
+    logp, old_logp, advantages, mask, ref_logp = batch(B=2, T=5)
+    for kwargs in (dict(dual_clip=3.0), dict(kl_coef=0.3, kl_kind="k3", ref_logp=ref_logp, agg="seq-mean-token-mean")):
+        assert torch.autograd.gradcheck(
+            lambda x: policy_loss_torch(x, old_logp, advantages, mask, **kwargs)[0], (logp.clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("fn", [policy_loss_torch, policy_loss_triton])
+def test_bitwise_deterministic(fn):
+    device = "cpu" if fn is policy_loss_torch else TRITON_DEVICE
+    args = batch(B=3, T=2000, dtype=torch.float32, device=device)
+    a = loss_and_grad(fn, *args[:4], dual_clip=3.0, kl_coef=0.1, ref_logp=args[4])
+    b = loss_and_grad(fn, *args[:4], dual_clip=3.0, kl_coef=0.1, ref_logp=args[4])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_argument_errors():
+    logp, old_logp, advantages, mask, _ = batch()
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_kernels.policy_loss(logp, old_logp, advantages, mask, dual_clip=1.0)
+    with pytest.raises(ValueError, match="agg"):
+        ppo_kernels.policy_loss(logp, old_logp, advantages, mask, agg="sum")
+    with pytest.raises(ValueError, match="ref_logp"):
+        ppo_kernels.policy_loss(logp, old_logp, advantages, mask, kl_coef=0.1)
+
+
+# ------------------------------------------------------------------------------------------ linear_policy_loss
+def linear_batch(B, T, H, V, dtype=torch.float32, device="cpu"):
+    hidden = torch.randn(B, T, H, dtype=dtype)
+    weight = torch.randn(V, H, dtype=dtype) * (3 / H**0.5)
+    labels = torch.randint(0, V, (B, T))
+    mask = (torch.rand(B, T) > 0.2).to(dtype)
+    labels[0, :3], mask[0, :3] = -100, 0  # prompt / padding positions
+    if B > 2:
+        mask[2] = 0  # a fully masked row
+    with torch.no_grad():
+        logp = ppo_kernels.linear_token_logprobs_reference(hidden, weight, labels).to(dtype)
+    old_logp = logp + torch.randn(B, T, dtype=dtype) * 0.3
+    ref_logp = logp + torch.randn(B, T, dtype=dtype) * 0.2
+    advantages = torch.randn(B, T, dtype=dtype)
+    return [t.to(device) for t in (hidden, weight, labels, old_logp, advantages, mask, ref_logp)]
+
+
+def linear_loss_and_grads(fn, hidden, weight, *args, **kwargs):
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss, stats = fn(h, w, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, {k: v.item() for k, v in stats.items() if k != "logp_mean"}
+
+
+LINEAR_CONFIGS = [
+    dict(temperature=0.7),
+    dict(dual_clip=3.0, agg="seq-mean-token-mean", kl_coef=0.1, kl_kind="k3"),
+    dict(agg="seq-mean-token-sum-norm", kl_coef=0.05, kl_kind="k2", clip_high=0.28),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("config", range(len(LINEAR_CONFIGS)))
+def test_linear_policy_loss_matches_reference(impl, config, monkeypatch, poisoned_empty):
+    if impl == "torch":
+        monkeypatch.setattr(loss_module, "TORCH_LOSS_TILE_ELEMENTS", 13 * 1000)  # several row tiles
+    fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
+    device = "cpu" if impl == "torch" else TRITON_DEVICE
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(3, 40, 32, 1000, device=device)
+    kwargs = dict(LINEAR_CONFIGS[config])
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    args = (labels, old_logp, advantages, mask)
+    f64 = lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+    truth = linear_loss_and_grads(linear_policy_loss_reference, f64(hidden), f64(weight), *map(f64, args),
+                                  **{k: f64(v) for k, v in kwargs.items()})
+    reference = linear_loss_and_grads(linear_policy_loss_reference, hidden, weight, *args, **kwargs)
+    got = linear_loss_and_grads(fn, hidden, weight, *args, **kwargs)
+    for name, k, r, t in zip(("loss", "dhidden", "dweight"), got[:3], reference[:3], truth[:3]):
+        err_kernel = (k.double().cpu() - t.cpu()).abs().max().item()
+        err_reference = (r.double().cpu() - t.cpu()).abs().max().item()
+        assert err_kernel <= err_reference + 1e-6 * max(1.0, t.abs().max().item()), (name, err_kernel, err_reference)
+    for key in truth[3]:
+        assert abs(got[3][key] - truth[3][key]) <= 1e-5, key
+    assert (got[1][labels == -100] == 0).all() and (got[1][mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_linear_policy_loss_fully_masked(impl):
+    fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
+    device = "cpu" if impl == "torch" else TRITON_DEVICE
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(2, 10, 16, 100, device=device)
+    loss, dh, dw, stats = linear_loss_and_grads(fn, hidden, weight, labels, old_logp, advantages,
+                                                torch.zeros_like(mask), kl_coef=0.1, ref_logp=ref_logp)
+    assert loss.item() == 0.0 and (dh == 0).all() and (dw == 0).all()
+
+
+def test_linear_policy_loss_flat_tokens_and_frozen_head():
+    hidden, weight, labels, old_logp, advantages, mask, _ = linear_batch(2, 20, 16, 300)
+    flat = lambda t: t.reshape(-1, *t.shape[2:])
+    loss_2d, dh_2d, dw_2d, _ = linear_loss_and_grads(linear_policy_loss_torch, hidden, weight, labels, old_logp,
+                                                     advantages, mask)
+    loss_1d, dh_1d, dw_1d, _ = linear_loss_and_grads(linear_policy_loss_torch, flat(hidden), weight, flat(labels),
+                                                     flat(old_logp), flat(advantages), flat(mask))
+    assert torch.allclose(loss_1d, loss_2d, atol=1e-6) and torch.allclose(dh_1d, flat(dh_2d), atol=1e-7)
+    h = hidden.clone().requires_grad_()
+    loss, _ = ppo_kernels.linear_policy_loss(h, weight, labels, old_logp, advantages, mask)  # weight without grad
+    loss.backward()
+    assert torch.allclose(h.grad, dh_2d, atol=1e-7)
