@@ -6,6 +6,7 @@ Hugging Face layout with exact parity.
     rm = load_reward_model("Skywork-Reward-V2-Qwen3-8B")      # *ForSequenceClassification
     rewards = rm.score(input_ids, attention_mask)             # [B], the score at the last real token
     model.save_pretrained("out/")                             # loads unchanged in `transformers`
+    count_parameters("../shared/model-configs/Qwen3-0.6B")    # 596049920, from config.json on the meta device
 
 Families (the `architectures` entry of config.json) and what sets them apart, all as fields of `ModelArgs`:
 
@@ -31,7 +32,6 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -279,6 +279,11 @@ def rope_inv_freq(p: dict, head_dim: int, max_position_embeddings: int, nested: 
     return inv_freq, 1.0
 
 
+def packed_linear(x, packed_weight, bias=None):
+    """x @ W.T + b with W in oneDNN's packed layout (from torch.ops.mkldnn._reorder_linear_weight)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
     """nn.Linear with an optional fast path for CPU inference: while `packed_weight` holds a oneDNN-packed copy
     of the weight (see `cpu_packed_linears`) and autograd is off, the matmul runs on it. Same values as
@@ -288,7 +293,7 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         if self.packed_weight is not None and not torch.is_grad_enabled():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -301,17 +306,37 @@ def can_pack_for_cpu(model) -> bool:
 
 @contextmanager
 def cpu_packed_linears(model, batch_size):
-    """Inside this block, every `Linear` of `model` multiplies with a oneDNN-packed copy of its weight (packed
-    for `batch_size` rows; any row count works). Costs a second copy of the weights while inside, and the
+    """Inside this block, the matmuls of `model` run on oneDNN-packed copies of its weights (packed for
+    `batch_size` rows; any row count works), with q/k/v and gate/up each fused into one matmul (fewer, larger
+    calls: less thread synchronisation per token). Costs a second copy of the weights while inside, and the
     packing (~0.5 s per GB); the copies are dropped on exit, so weights updated by training are never stale."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+
+    def pack(*linears):
+        weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+        return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size), bias
+
+    fused = set()
     try:
-        for m in linears:
-            m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_size)
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.packed_qkv = pack(m.q_proj, m.k_proj, m.v_proj)
+                fused.update((m.q_proj, m.k_proj, m.v_proj))
+            elif isinstance(m, MLP):
+                m.packed_gate_up = pack(m.gate_proj, m.up_proj)
+                fused.update((m.gate_proj, m.up_proj))
+        for m in model.modules():
+            if isinstance(m, Linear) and m not in fused:
+                m.packed_weight = pack(m)[0]
         yield model
     finally:
-        for m in linears:
-            m.packed_weight = None
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.packed_qkv = None
+            elif isinstance(m, MLP):
+                m.packed_gate_up = None
+            elif isinstance(m, Linear):
+                m.packed_weight = None
 
 
 class RMSNorm(nn.Module):
@@ -376,6 +401,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    packed_qkv = None  # (packed [q; k; v] weight, bias) inside cpu_packed_linears
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -397,7 +424,11 @@ class Attention(nn.Module):
         """x [B, T, H]; rope: (cos, sin) [B, 1, T, hs] or None (NoPE layer); attn_mask: [B, 1, T, S] bool
         (True = may attend), or None for plain causal attention. Returns [B, T, H]."""
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, nh*hs], [B, T, nkv*hs] x2
+        if self.packed_qkv is not None and not torch.is_grad_enabled():  # CPU fast path: one matmul
+            q, k, v = packed_linear(x, *self.packed_qkv).split(
+                [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, nh*hs], [B, T, nkv*hs] x2
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.qk_norm == "projection":
@@ -436,6 +467,8 @@ def _causal_mask(start, T, S, device):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    packed_gate_up = None  # (packed [gate; up] weight, bias) inside cpu_packed_linears
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         H, I, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
@@ -444,7 +477,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, H, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed_gate_up is not None and not torch.is_grad_enabled():  # CPU fast path: one matmul
+            gate, up = packed_linear(x, *self.packed_gate_up).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, I] x2
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -64,7 +64,7 @@ def test_packed_cpu_linears_match_plain_f_linear(name):
     with torch.no_grad():
         plain = model(ids, mask)
         with cpu_packed_linears(model, ids.shape[0]):
-            assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, Linear))
+            assert model.lm_head.packed_weight is not None and model.model.layers[0].self_attn.packed_qkv is not None
             packed = model(ids, mask)
             cache = KVCache(model.args, 3, 9, "cpu", torch.float32)
             steps = [model(ids[:, :4], mask[:, :4], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(4, 9)]
@@ -72,6 +72,7 @@ def test_packed_cpu_linears_match_plain_f_linear(name):
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], plain[real], rtol=1e-5, atol=1e-5)
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    assert all(layer.self_attn.packed_qkv is None and layer.mlp.packed_gate_up is None for layer in model.model.layers)
 
 
 @needs_onednn
