@@ -43,7 +43,7 @@ class PPOConfig:
     prompts_file: str = ""
     """Training prompts, one per line (or JSONL with a "prompt" field). Empty = the task's prompt stream."""
     eval_prompts_file: str = ""
-    """Held-out prompts for evaluation, same format. Empty = the task's held-out set."""
+    """Held-out prompts for evaluation, same format. Empty = the task's held-out set, or the last eval_size prompts of prompts_file (at most half)."""
 
     # ------------------------------------------------------------------ rollout
     iterations: int = 60

@@ -369,9 +369,17 @@ def run(cfg: PPOConfig, resume_from=None):
         raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
     policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
     reward_source = make_reward_source(cfg, device, param_dtype)
-    held_out = load_prompts(cfg.eval_prompts_file) if cfg.eval_prompts_file else eval_prompts(cfg.eval_size, cfg.seed)
-    held_out = held_out[: cfg.eval_size]
     train_prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else []
+    if cfg.eval_prompts_file:
+        held_out = load_prompts(cfg.eval_prompts_file)[: cfg.eval_size]
+    elif train_prompts:  # hold out the file's last eval_size prompts (at most half of it)
+        n_eval = min(cfg.eval_size, len(train_prompts) // 2)
+        if n_eval < 1:
+            raise ConfigError(f"config key 'prompts_file': {cfg.prompts_file} needs at least 2 prompts to hold one out, "
+                              f"or give eval_prompts_file")
+        train_prompts, held_out = train_prompts[:-n_eval], train_prompts[-n_eval:]
+    else:
+        held_out = eval_prompts(cfg.eval_size, cfg.seed)
     stream = ListPromptStream(train_prompts, cfg.seed) if train_prompts else PromptStream(cfg.seed, held_out)
     context = policy.args.max_position_embeddings
     for p in held_out + train_prompts:
