@@ -233,7 +233,7 @@ def _bwd_triton(hidden, weight, labels, temperature, lse, entropy, grad_logprobs
 # ----------------------------------------------------------------------------------------------------------------
 # Chunked torch path
 # ----------------------------------------------------------------------------------------------------------------
-def _fold_tile(z, stats, rows, e_buf, local_labels, in_tile):
+def _fold_tile(z, stats, rows, e_buf, local_labels, in_tile, need_entropy=True):
     """Fold one tile z [n, vc] into the running (m, s, a, label_z) of its rows. Overwrites z and e_buf."""
     m, s, a, label_z = (t[rows] for t in stats)
     label_z = torch.where(in_tile, z.gather(1, local_labels.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1),
@@ -244,15 +244,16 @@ def _fold_tile(z, stats, rows, e_buf, local_labels, in_tile):
     z.sub_(m_ref.unsqueeze(1))  # z - m
     e = torch.exp(z, out=e_buf)  # exp(z - m)
     s_tile = e.sum(1)
-    a_tile = e.mul_(z).sum(1)  # tiles of hidden @ weight.T are finite: no 0 * -inf here
-    # move the old sums from reference m to m_ref, then add this tile
-    a = rescale * (a + torch.where(s > 0, (m - m_ref) * s, 0.0)) + a_tile
+    if need_entropy:
+        a_tile = e.mul_(z).sum(1)  # tiles of hidden @ weight.T are finite: no 0 * -inf here
+        # move the old sums from reference m to m_ref, then add this tile
+        a = rescale * (a + torch.where(s > 0, (m - m_ref) * s, 0.0)) + a_tile
     s = rescale * s + s_tile
     for t, new in zip(stats, (m_new, s, a, label_z)):
         t[rows] = new
 
 
-def _fwd_torch(hidden, weight, labels, temperature):
+def _fwd_torch(hidden, weight, labels, temperature, need_entropy=True):
     N, H = hidden.shape
     V = weight.shape[0]
     acc = _compute_dtype(hidden.dtype)
@@ -273,10 +274,10 @@ def _fwd_torch(hidden, weight, labels, temperature):
             z = torch.mm(h[r0:r1], w_tile.T, out=z_buf[: n * vc].view(n, vc))  # [n, vc] = z for this tile
             local = labels[r0:r1] - v0
             _fold_tile(z, (m, s, a, label_z), slice(r0, r1), e_buf[: n * vc].view(n, vc), local,
-                       (local >= 0) & (local < vc))
+                       (local >= 0) & (local < vc), need_entropy)
     log_s = torch.log(s)
     # logprob = (z_label - m) - log s;  entropy = log s - a / s;  logsumexp = m + log s
-    return (label_z - m) - log_s, log_s - a / s, m + log_s
+    return (label_z - m) - log_s, (log_s - a / s) if need_entropy else None, m + log_s
 
 
 def _bwd_torch(hidden, weight, labels, temperature, lse, entropy, grad_logprobs, grad_entropy, need_dh, need_dw):
@@ -343,7 +344,7 @@ def _bwd_torch(hidden, weight, labels, temperature, lse, entropy, grad_logprobs,
 # ----------------------------------------------------------------------------------------------------------------
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, backend):
+    def forward(ctx, hidden, weight, labels, temperature, backend, need_entropy):
         # hidden [N, H], weight [V, H], labels [N]. Returns logprobs [N], entropy [N].
         ctx.set_materialize_grads(False)
         N = hidden.shape[0]
@@ -354,23 +355,29 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         all_valid = keep.numel() == N
         h_kept = hidden if all_valid else hidden.index_select(0, keep)
         labels_kept = labels if all_valid else labels.index_select(0, keep)
-        fwd = _fwd_triton if backend == "triton" else _fwd_torch
-        logp_kept, ent_kept, lse_kept = fwd(h_kept, weight, labels_kept, temperature)
+        if backend == "triton":  # the entropy is free in the fused kernel
+            logp_kept, ent_kept, lse_kept = _fwd_triton(h_kept, weight, labels_kept, temperature)
+        else:
+            logp_kept, ent_kept, lse_kept = _fwd_torch(h_kept, weight, labels_kept, temperature, need_entropy)
+            if ent_kept is None:
+                ent_kept = torch.zeros_like(logp_kept)  # never returned, so never differentiated
         if all_valid:
             logprobs, entropy = logp_kept.to(acc), ent_kept.to(acc)
         else:
             logprobs = torch.zeros(N, device=hidden.device, dtype=acc).index_copy_(0, keep, logp_kept.to(acc))
             entropy = torch.zeros(N, device=hidden.device, dtype=acc).index_copy_(0, keep, ent_kept.to(acc))
         ctx.save_for_backward(hidden, weight, labels_kept, keep, lse_kept, ent_kept)
-        ctx.temperature, ctx.backend, ctx.all_valid = temperature, backend, all_valid
+        ctx.temperature, ctx.backend, ctx.all_valid, ctx.need_entropy = temperature, backend, all_valid, need_entropy
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels_kept, keep, lse_kept, ent_kept = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not ctx.need_entropy:
+            grad_entropy = None  # the entropy was not returned to the caller
         if (grad_logprobs is None and grad_entropy is None) or not (need_dh or need_dw):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         h_kept = hidden if ctx.all_valid else hidden.index_select(0, keep)
         gdtype = lse_kept.dtype
         g_logp = grad_logprobs.to(gdtype).index_select(0, keep).contiguous() if grad_logprobs is not None else None
@@ -385,7 +392,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             else:
                 dhidden = torch.zeros(hidden.shape, device=hidden.device, dtype=hidden.dtype)
                 dhidden.index_copy_(0, keep, dh_kept.to(hidden.dtype))
-        return dhidden, dw, None, None, None
+        return dhidden, dw, None, None, None, None
 
 
 def _linear_token_logprobs(hidden, weight, labels, temperature, return_entropy, backend):
@@ -397,9 +404,11 @@ def _linear_token_logprobs(hidden, weight, labels, temperature, return_entropy, 
         raise ValueError(f"temperature must be > 0, got {temperature}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).contiguous()
-    logprobs, entropy = _LinearTokenLogprobs.apply(flat_hidden, weight, flat_labels, float(temperature), backend)
-    logprobs, entropy = logprobs.view(labels.shape), entropy.view(labels.shape)
-    return (logprobs, entropy) if return_entropy else logprobs
+    logprobs, entropy = _LinearTokenLogprobs.apply(flat_hidden, weight, flat_labels, float(temperature), backend,
+                                                   return_entropy)
+    if not return_entropy:
+        return logprobs.view(labels.shape)
+    return logprobs.view(labels.shape), entropy.view(labels.shape)
 
 
 def linear_token_logprobs_triton(hidden, weight, labels, *, temperature=1.0, return_entropy=False):
