@@ -30,7 +30,7 @@ import ppo_kernels
 
 from . import algo, checkpoint
 from . import distributed as dist
-from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli, to_dict
+from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli
 from .generate import generate
 from .model import CheckpointError, load_model, load_score_model
 from .rewards import RewardError, load_prompts, make_reward_source

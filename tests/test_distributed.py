@@ -2,7 +2,6 @@
 as 1 process on the same global batch, and a 2-process run killed mid-rollout resumes identically."""
 import json
 import os
-import signal
 import subprocess
 import sys
 
