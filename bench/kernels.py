@@ -95,7 +95,8 @@ def loss_impls():
     if hasattr(ppo_kernels, "linear_policy_loss"):
         from ppo_kernels.loss import linear_policy_loss_reference
         impls["torch eager"] = lambda h, w, y, old, adv, mask: linear_policy_loss_reference(h, w, y, old, adv, mask)[0]
-        impls["ppo_kernels"] = lambda h, w, y, old, adv, mask: ppo_kernels.linear_policy_loss(h, w, y, old, adv, mask)[0]
+        impls["ppo_kernels"] = (
+            lambda h, w, y, old, adv, mask: ppo_kernels.linear_policy_loss(h, w, y, old, adv, mask)[0])
     liger_cls = _peer("liger_grpo")
     if liger_cls is not None:
         def liger(h, w, y, old, adv, mask, _loss=[]):

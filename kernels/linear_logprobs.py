@@ -9,8 +9,10 @@ tile from the saved logsumexp, turns it into dz, and accumulates
 
     dhidden += dz_tile @ weight_tile / temperature,   dweight_tile = dz_tile.T @ hidden / temperature
 
-so its workspace is one tile (plus an [N, H] fp32 accumulator), never [N, V]. This costs one extra matmul
-(4 instead of 3 for forward + backward), the price of not storing the logits.
+so its workspace is one tile (plus an [N, H] accumulator, fp64 for fp32 inputs: see _tile_shape), never
+[N, V]. This costs one extra matmul (4 instead of 3 for forward + backward), the price of not storing the
+logits; with upstream gradients unknown in the forward (two per row: log-prob and entropy) it cannot be
+avoided. (linear_policy_loss in loss.py knows its gradient in the forward and gets by with 3.)
 
 Three implementations with one signature, in this file:
   - `linear_token_logprobs_reference`: hidden @ weight.T then `token_logprobs_reference` (full logits).
@@ -31,9 +33,10 @@ try:
 except ImportError:
     triton = None
 
-# Elements in one logits tile on the torch path (fp32: 32 MiB; two such buffers are live).
+# Elements in one logits tile on the torch path (fp32: 32 MiB; two such buffers are live). At N = 2048 that
+# is 4096 vocabulary columns: [2048, 1024] x [1024, 4096] products already run at the CPU's matmul rate.
 TORCH_TILE_ELEMENTS = 1 << 23
-# Elements in the backward's dz workspace on the Triton path.
+# Elements in the backward's dz workspace on the Triton path (bf16: 128 MiB).
 TRITON_TILE_ELEMENTS = 1 << 26
 
 
@@ -47,7 +50,7 @@ def _tile_shape(n_rows, n_cols, tile_elements, align=128, max_cols=8192):
     """(rows, cols) of a logits tile holding at most ~tile_elements: all rows if they fit, cols a multiple of 128.
 
     cols is capped so that each dz_tile @ weight_tile sums over at most max_cols terms before the fp64
-    accumulation of dhidden (one fp32 product over all of V is ~40x less accurate: its terms cancel).
+    accumulation of dhidden (one fp32 product over all of V is ~30x less accurate: its terms cancel).
     """
     rows = max(1, min(n_rows, tile_elements // align))
     cols = max(align, min(max_cols, (tile_elements // rows) // align * align))
@@ -198,7 +201,8 @@ def _bwd_triton(hidden, weight, labels, temperature, lse, entropy, grad_logprobs
     rows_per_tile, cols_per_tile = _tile_shape(N, V, TRITON_TILE_ELEMENTS)
     # dz in the input dtype feeds the two matmuls at full speed on a GPU; the interpreter truncates fp32 -> bf16
     # stores instead of rounding them, so there it stays fp32.
-    dz_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) and not _interpreting() else torch.float32
+    low_precision = hidden.dtype in (torch.bfloat16, torch.float16)
+    dz_dtype = hidden.dtype if low_precision and not _interpreting() else torch.float32
     workspace = torch.empty(rows_per_tile * cols_per_tile, device=hidden.device, dtype=dz_dtype)
     multi_row = rows_per_tile < N
     dw_slab = torch.empty((cols_per_tile, H), device=weight.device, dtype=torch.float32) if need_dw else None
@@ -293,11 +297,11 @@ def _bwd_torch(hidden, weight, labels, temperature, lse, entropy, grad_logprobs,
     z_buf = torch.empty(rows_per_tile * cols_per_tile, device=hidden.device, dtype=acc)
     dz_buf = torch.empty_like(z_buf)
     # dhidden sums dz @ W over every V tile, with heavy cancellation (each row of dz sums to ~0): accumulating
-    # the tiles in fp64 keeps that sum as accurate as one tile's product (fp32 accumulation: ~40x worse).
+    # the tiles in fp64 keeps that sum as accurate as one tile's product (one fp32 product over V: ~30x worse).
     dh = torch.zeros((N, H), device=hidden.device, dtype=torch.float64) if need_dh else None
     if N == 0:  # every row ignored
         return dh, torch.zeros_like(weight) if need_dw else None
-    dh_tile = torch.empty((_tile_shape(N, V, TORCH_TILE_ELEMENTS)[0], H), device=hidden.device, dtype=acc) if need_dh else None
+    dh_tile = torch.empty((rows_per_tile, H), device=hidden.device, dtype=acc) if need_dh else None
     dw = torch.empty((V, H), device=weight.device, dtype=weight.dtype) if need_dw else None
     # With one row tile each dW row block is written once, straight into dw when the dtypes agree.
     direct_dw = rows_per_tile >= N and weight.dtype == acc

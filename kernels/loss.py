@@ -410,7 +410,8 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
             g = token_grad(slice(0, kept.numel()), logp_kept)
             dh_kept, dw = _linear._bwd_triton(h_kept, weight, labels_kept, temperature, lse_kept, ent_kept, g, None,
                                               need_dh, need_dw)
-        logp = torch.zeros(flat_labels.numel(), device=hidden.device, dtype=acc).index_copy_(0, kept, logp_kept.to(acc))
+        logp = torch.zeros(flat_labels.numel(), device=hidden.device, dtype=acc)
+        logp.index_copy_(0, kept, logp_kept.to(acc))  # [N]; 0 where not kept
         loss, _, sums = terms(logp, old.contiguous(), adv.contiguous(), weights.contiguous(), flat_mask.contiguous(),
                               ref.contiguous() if ref is not None else None, *params)
         stats = _stats(sums, flat_mask, dual_clip, kl_coef)
