@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -211,7 +212,7 @@ def ceilings(device):
             sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    copy_s = timed(lambda: dst.copy_(src), 10)
+    copy_s = timed(partial(dst.copy_, src), 10)
     del src, dst
     if device == "cuda":
         a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

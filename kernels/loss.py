@@ -416,6 +416,7 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
                               ref.contiguous() if ref is not None else None, *params)
         stats = _stats(sums, flat_mask, dual_clip, kl_coef)
         stats["logp_mean"] = ((logp * flat_mask).sum() / flat_mask.sum().clamp(min=1)).detach()
+        stats["logp"] = logp.view(mask.shape).detach()  # per token, 0 where not in the loss
         dhidden = dweight = None
         if need_dh:
             dhidden = torch.zeros(flat_hidden.shape, device=hidden.device, dtype=hidden.dtype)
@@ -452,7 +453,8 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, *, te
     hidden: [N, H] or [B, T, H]; weight: [V, H]; labels, old_logp, advantages, mask (and ref_logp): [N] or
     [B, T], the same leading shape as hidden ([N] counts as one sequence for the seq-mean modes).
     Other arguments as in `policy_loss`; num_tokens / num_seqs / norm_const as in ppo_core.algo.aggregate.
-    Returns (loss 0-dim, stats): policy_loss's stats plus "logp_mean" (masked mean log-prob).
+    Returns (loss 0-dim, stats): policy_loss's stats plus "logp_mean" (masked mean log-prob) and "logp" (the
+    log-probs, detached, shaped like mask; 0 on tokens outside the loss).
     Gradients flow to hidden and weight; they are formed in the forward, which therefore costs what forward
     and backward of the naive path cost, and the backward only scales them.
     """

@@ -7,7 +7,17 @@
         rng.safetensors                                  torch CPU/CUDA RNG states, sampling and shuffle generators
         trainer_state.json                               iteration, optimizer step, KL controller, prompt
                                                          stream position, Python and NumPy RNG states
+        trainable.safetensors                            LoRA runs only: the adapters (and the critic's head), what
+                                                         a resume loads on top of the base checkpoint; the HF
+                                                         files above hold the merged weights
+        sharded/                                         parallel='fsdp' only, instead of optimizer.safetensors:
+                                                         each process's shards of both models' parameters and
+                                                         AdamW moments (torch.distributed.checkpoint, one
+                                                         safetensors file per process, offsets in its metadata)
     RUN/checkpoints/latest                               "step-N", replaced only after step-N is complete
+
+With FSDP the policy and critic above are consolidated (gathered to rank 0) so the checkpoint loads in
+the rest of the ecosystem; a resume reads the sharded copy, each process its own shards.
 
 Tensors go to safetensors and small state to JSON: nothing is pickled, and loading never runs code.
 A save writes `checkpoints/.tmp-step-N/`, fsyncs every file, renames it to `step-N`, and only then
@@ -22,6 +32,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import distributed as dist
+from . import lora
 from .model import CheckpointError
 
 LATEST = "latest"
@@ -83,51 +95,165 @@ def set_numpy_rng_state(s):
 
 
 def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, critic_opt, generators: dict,
-                    state: dict, keep: int, write_hook=None):
+                    state: dict, keep: int, write_hook=None, sharded=False):
     """Write RUN/checkpoints/step-{step} atomically, point `latest` at it, prune to the newest `keep`.
 
     generators: name -> torch.Generator (their states go to rng.safetensors). state: JSON-able trainer
     state. write_hook(name) is called between files (the tests use it to kill a save half way).
-    Returns the checkpoint's path."""
+    sharded: FSDP models; every process calls this (the gathers and the sharded save are collective)
+    and rank 0 writes the rest. Otherwise only rank 0 calls it. Returns the checkpoint's path."""
     root = os.path.join(run_path, "checkpoints")
-    os.makedirs(root, exist_ok=True)
     name = f"step-{step}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
     hook = write_hook or (lambda _: None)
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    rank0 = dist.rank() == 0
+    if rank0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if sharded:
+        dist.barrier()
+    policy_state = export_state(policy)
+    if rank0:
+        policy.save_pretrained(tmp, state_dict=policy_state)
+        tokenizer.save_pretrained(tmp)
+    del policy_state
     hook("policy")
-    critic.save_pretrained(os.path.join(tmp, "critic"))
+    critic_state = export_state(critic)
+    if rank0:
+        critic.save_pretrained(os.path.join(tmp, "critic"), state_dict=critic_state)
+    del critic_state
     hook("critic")
-    save_file({**optimizer_tensors(policy_opt, "policy"), **optimizer_tensors(critic_opt, "critic")},
-              os.path.join(tmp, "optimizer.safetensors"))
+    if rank0 and lora.has_lora(policy) and not sharded:  # sharded: the adapters are in sharded/
+        save_file({**trainable_tensors(policy, "policy"), **trainable_tensors(critic, "critic")},
+                  os.path.join(tmp, TRAINABLE_FILE))
+    if sharded:
+        save_sharded(os.path.join(tmp, SHARDED_DIR), {"policy": (policy, policy_opt), "critic": (critic, critic_opt)})
+    else:
+        save_file({**optimizer_tensors(policy_opt, "policy"), **optimizer_tensors(critic_opt, "critic")},
+                  os.path.join(tmp, "optimizer.safetensors"))
     hook("optimizer")
-    rng = {f"generator.{k}": g.get_state() for k, g in generators.items()}
-    rng["torch.cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            rng[f"torch.cuda.{i}"] = s
-    save_file(rng, os.path.join(tmp, "rng.safetensors"))
-    full_state = {**state, "step": step, "python_rng": python_rng_state(), "numpy_rng": numpy_rng_state()}
-    with open(os.path.join(tmp, STATE_FILE), "w") as f:
-        json.dump(full_state, f)
+    if rank0:
+        rng = {f"generator.{k}": g.get_state() for k, g in generators.items()}
+        rng["torch.cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                rng[f"torch.cuda.{i}"] = s
+        save_file(rng, os.path.join(tmp, "rng.safetensors"))
+        full_state = {**state, "step": step, "python_rng": python_rng_state(), "numpy_rng": numpy_rng_state()}
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump(full_state, f)
     hook("state")
-    _fsync_tree(tmp)
-    if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    hook("renamed")
-    latest_tmp = os.path.join(root, LATEST + ".tmp")
-    with open(latest_tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(root, LATEST))
-    _fsync_dir(root)
-    _prune(root, keep, name)
+    if sharded:
+        _fsync_tree(os.path.join(tmp, SHARDED_DIR))  # each process its own shard file (and the rest: harmless)
+        dist.barrier()
+    if rank0:
+        _fsync_tree(tmp)
+        if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        hook("renamed")
+        latest_tmp = os.path.join(root, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(root, LATEST))
+        _fsync_dir(root)
+        _prune(root, keep, name)
+    if sharded:
+        dist.barrier()
     return final
+
+
+def export_state(model) -> dict:
+    """What the Hugging Face layout gets: the full tensors (gathered to rank 0 from FSDP shards), LoRA
+    adapters merged into their base weights."""
+    full = dist.full_state_dict(model)  # {} on ranks other than 0 when sharded
+    return lora.merged_state_dict(model, state=full) if lora.has_lora(model) and full else full
+
+
+# ---------------------------------------------------------------------------- LoRA: the trainable part
+TRAINABLE_FILE = "trainable.safetensors"
+
+
+def trainable_tensors(model, prefix) -> dict:
+    return {f"{prefix}.{n}": p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_tensors(model, tensors: dict, prefix, path):
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    missing = [n for n in params if f"{prefix}.{n}" not in tensors]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {prefix} tensors {missing[:3]} (another lora_rank?)")
+    with torch.no_grad():
+        for n, p in params.items():
+            if tensors[f"{prefix}.{n}"].shape != p.shape:
+                raise CheckpointError(f"checkpoint {path}: {prefix}.{n} has shape {tuple(tensors[f'{prefix}.{n}'].shape)}, "
+                                      f"the model's is {tuple(p.shape)} (another lora_rank?)")
+            p.copy_(tensors[f"{prefix}.{n}"])
+
+
+# ---------------------------------------------------------------------------- sharded state (FSDP)
+SHARDED_DIR = "sharded"
+
+
+def _sharded_tensors(roles: dict) -> dict:
+    """{role: (sharded model, its AdamW)} -> flat {name: DTensor or tensor}: '{role}.{param fqn}' and
+    '{role}_optimizer.{param fqn}.{exp_avg|exp_avg_sq|step}'."""
+    out = {}
+    for role, (model, opt) in roles.items():
+        fqn = {p: n for n, p in model.named_parameters()}
+        out.update({f"{role}.{n}": p.detach() for n, p in model.named_parameters()})
+        for param, st in opt.state.items():
+            for key, value in st.items():
+                out[f"{role}_optimizer.{fqn[param]}.{key}"] = value
+    return out
+
+
+def save_sharded(path, roles: dict):
+    """Every process writes its shards of the models' parameters and optimizer moments to one safetensors
+    file of `path` (torch.distributed.checkpoint's Hugging Face storage: no pickle, offsets in the
+    file's metadata). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save(_sharded_tensors(roles), storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+
+
+def load_sharded(path, roles: dict):
+    """Read the shards this process owns back into the models and their optimizers (any world size can
+    read what any other wrote: each tensor's chunks carry their offsets). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    template = {}
+    for role, (model, opt) in roles.items():
+        params = dict(model.named_parameters())
+        for name in saved:
+            owner, _, rest = name.partition(".")
+            if owner == role:
+                template[name] = params[rest].detach()  # loaded in place into the parameter's shard
+            elif owner == f"{role}_optimizer":
+                fqn, key = rest.rsplit(".", 1)
+                template[name] = torch.zeros((), dtype=torch.float32) if key == "step" else torch.zeros_like(params[fqn])
+    missing = [f"{role}.{n}" for role, (model, _) in roles.items() for n, _ in model.named_parameters()
+               if f"{role}.{n}" not in saved]
+    if missing:
+        raise CheckpointError(f"sharded checkpoint {path} lacks {sorted(missing)[:3]}")
+    dcp.load(template, storage_reader=HuggingFaceStorageReader(path))
+    for role, (model, opt) in roles.items():
+        params = dict(model.named_parameters())
+        state = {}
+        for name, value in template.items():
+            if name.startswith(f"{role}_optimizer."):
+                fqn, key = name[len(role) + len("_optimizer."):].rsplit(".", 1)
+                state.setdefault(fqn, {})[key] = value
+        for fqn, st in state.items():
+            opt.state[params[fqn]] = st
 
 
 def _prune(root, keep, current):
@@ -185,21 +311,31 @@ def _load_into(model, path):
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generators: dict) -> dict:
-    """Restore weights, optimizer moments and every RNG from a checkpoint; returns the trainer state."""
+def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generators: dict, sharded=False) -> dict:
+    """Restore weights, optimizer moments and every RNG from a checkpoint; returns the trainer state.
+    sharded: FSDP models, restored from the checkpoint's sharded/ copy (collective)."""
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
-        _load_into(policy, path)
-        _load_into(critic, os.path.join(path, "critic"))
-        opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+        if sharded:
+            load_sharded(os.path.join(path, SHARDED_DIR), {"policy": (policy, policy_opt), "critic": (critic, critic_opt)})
+        else:
+            if lora.has_lora(policy):  # the base is the run's starting checkpoint, already loaded
+                trainable = load_file(os.path.join(path, TRAINABLE_FILE))
+                load_trainable_tensors(policy, trainable, "policy", path)
+                load_trainable_tensors(critic, trainable, "critic", path)
+            else:
+                _load_into(policy, path)
+                _load_into(critic, os.path.join(path, "critic"))
+            opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
         rng = load_file(os.path.join(path, "rng.safetensors"))
     except CheckpointError:
         raise
     except Exception as e:  # OSError, JSON errors, safetensors' own error for a truncated file
         raise CheckpointError(f"cannot load checkpoint {path}: {e}") from None
-    load_optimizer_tensors(policy_opt, opt_tensors, "policy")
-    load_optimizer_tensors(critic_opt, opt_tensors, "critic")
+    if not sharded:
+        load_optimizer_tensors(policy_opt, opt_tensors, "policy")
+        load_optimizer_tensors(critic_opt, opt_tensors, "critic")
     for name, g in generators.items():
         g.set_state(rng[f"generator.{name}"])
     torch.set_rng_state(rng["torch.cpu"])

@@ -70,6 +70,11 @@ class PPOConfig:
     """Peak AdamW learning rate of the policy."""
     critic_lr: float = 2e-3
     """Peak AdamW learning rate of the critic."""
+    lora_rank: int = 0
+    """LoRA (Hu et al. 2021) on q/k/v/o and gate/up/down of policy and critic: only the rank-r adapters (and the
+    critic's head) train; the reference is the policy with its adapters off (no second copy). 0 = full fine-tuning."""
+    lora_alpha: float = 0.0
+    """LoRA scale alpha: the update is (alpha / lora_rank) * B A. 0 = lora_rank (scale 1)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, both models."""
     adam_beta1: float = 0.9
@@ -141,7 +146,15 @@ class PPOConfig:
     dtype: str = "auto"
     """Parameter dtype: 'auto' (fp32 on CPU; on GPU fp32 master weights with bf16 autocast), 'float32', 'bfloat16'."""
     fused_kernels: bool = True
-    """Use ppo_kernels' fused log-prob path; False = the plain torch reference (log_softmax + gather)."""
+    """Use ppo_kernels' fused paths: LM head + log-probs for the old/reference log-probs, LM head + clipped loss
+    for the update. False = the plain torch reference (full logits, log_softmax + gather, ppo_core.algo)."""
+    parallel: str = "ddp"
+    """With more than one process (torchrun): 'ddp' replicates policy and critic (DistributedDataParallel);
+    'fsdp' shards them with FSDP2 (fully_shard per decoder block, sharded checkpoints for resume)."""
+    shard_frozen: bool = True
+    """With parallel='fsdp': shard the frozen reference and reward models too (False = a full copy per process)."""
+    cpu_offload: bool = False
+    """With parallel='fsdp': keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     threads: int = 1
@@ -235,6 +248,11 @@ def validate(cfg: PPOConfig):
     need(cfg.kl_loss_kind in ("k1", "k2", "k3"), "kl_loss_kind", "must be one of k1, k2, k3")
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), "dtype", "must be auto, float32 or bfloat16")
+    need(cfg.parallel in ("ddp", "fsdp"), "parallel", "must be ddp or fsdp")
+    need(cfg.lora_rank >= 0, "lora_rank", "must be >= 0")
+    need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")
+    need(cfg.lora_rank > 0 or cfg.lora_alpha == 0, "lora_alpha", "needs lora_rank > 0")
+    need(not cfg.cpu_offload or cfg.parallel == "fsdp", "cpu_offload", "needs parallel='fsdp'")
     need(cfg.task in ("reverse",), "task", "must be 'reverse' (the built-in task)")
     need(cfg.minibatch_size <= cfg.rollout_batch_size, "minibatch_size", f"must be <= rollout_batch_size ({cfg.rollout_batch_size})")
     need(cfg.rollout_batch_size % cfg.minibatch_size == 0, "rollout_batch_size", f"must be a multiple of minibatch_size ({cfg.minibatch_size})")

@@ -1,12 +1,19 @@
 """torch.distributed, the few pieces the loop needs: the same code path for 1 or N processes.
 
-    torchrun --standalone --nproc-per-node=8 -m ppo_core.train --config run.toml
+    torchrun --standalone --nproc-per-node=8 -m ppo_core.train --config run.toml [--parallel=fsdp]
 
-Data parallelism: every process draws the same global prompt batch and keeps its slice; gradients
-are summed across processes with one all-reduce per optimizer step (losses are normalised by the
-GLOBAL token/sequence counts, so the sum is exactly the single-process gradient of the same batch).
-With one process every helper here is the identity.
+Data parallelism: every process draws the same global prompt batch and keeps its slice; losses are
+normalised by the GLOBAL token/sequence counts, so the SUM of the processes' gradients is exactly the
+single-process gradient of the same batch. Two ways to spread the trainable models (cfg.parallel):
+  - 'ddp':  DistributedDataParallel replicas; its bucketed all-reduce, overlapped with the backward,
+            sums the gradients (a comm hook replaces DDP's mean by the sum).
+  - 'fsdp': FSDP2 `fully_shard` on every decoder block and then the whole model (embeddings, final
+            norm, head): parameters, gradients and AdamW moments live sharded; each block's weights are
+            all-gathered for its forward/backward and the gradients reduce-scattered (summed: divide
+            factor 1). For decoding, `gathered` all-gathers the weights once for the whole generate call.
+With one process every helper here is the identity and the models are used as they are.
 """
+import contextlib
 import os
 
 import torch
@@ -60,19 +67,105 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def sum_gradients(params):
-    """Sum .grad over processes in one flat all-reduce (what DDP's bucketed reduction does, without
-    the averaging: the losses are already normalised by global counts)."""
-    if not dist.is_initialized():
+# ---------------------------------------------------------------------------- DDP and FSDP2
+
+def _sum_allreduce(_, bucket):
+    """DDP comm hook: sum the bucket over processes (DDP's default divides by the world size)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def replicate(model, device):
+    """A DDP wrapper of `model` for training forwards (the module itself stays usable for the rest)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  broadcast_buffers=False)  # the only buffers are RoPE tables, equal everywhere
+    ddp.register_comm_hook(None, _sum_allreduce)
+    return ddp
+
+
+def shard(model, device, *, root=True, mixed_precision=False, cpu_offload=False):
+    """FSDP2: `fully_shard` every decoder block, then (root=True) the model itself, which holds the
+    embeddings, the final norm and the head. Gradients are summed over processes, not averaged.
+    root=False leaves those replicated (a frozen model whose head runs outside forward, e.g. score()).
+    mixed_precision: bf16 parameters for compute and all-gathers, fp32 gradient reduction (fp32 master
+    weights stay in the shards). cpu_offload: shards, gradients and optimizer state in CPU memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": init_device_mesh(device.type, (world_size(),))}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in model.model.layers:
+        fully_shard(block, **kwargs)
+    if root:
+        fully_shard(model, **kwargs)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def _fsdp_units(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model) -> bool:
+    return bool(_fsdp_units(model))
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Full weights on every process for the duration (decoding): each FSDP unit is all-gathered once
+    and kept, so a generate call makes no collective per step and processes may stop decoding at
+    different steps. Identity for a model that is not sharded."""
+    units = _fsdp_units(model)
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            # blocks free their full weights after forward again; the root keeps FSDP's own choice
+            # for it (no reshard: its weights are needed again right away in the backward)
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+
+
+@contextlib.contextmanager
+def gradient_sync(trainable, enabled: bool):
+    """Gradient accumulation: with enabled=False the backward keeps gradients local (DDP's no_sync,
+    FSDP's requires_gradient_sync); the micro-batch with enabled=True reduces the accumulated sum."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(trainable, DistributedDataParallel) and not enabled:
+        with trainable.no_sync():
+            yield
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+    units = _fsdp_units(trainable)
+    for unit in units:
+        unit.set_requires_gradient_sync(enabled, recurse=False)
+    yield
+
+
+def full_state_dict(model) -> dict:
+    """The model's full tensors on rank 0 (CPU), {} on the other ranks; collective for a sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_sharded(model):
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def local_tensor(t):
+    """A DTensor's full value (collective) or the tensor itself: for scalars such as a gradient norm."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def barrier():

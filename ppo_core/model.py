@@ -298,10 +298,12 @@ class Linear(nn.Linear):
 
 
 def can_pack_for_cpu(model) -> bool:
-    """The oneDNN fast path applies: float32 weights on the CPU, a torch built with oneDNN."""
+    """The oneDNN fast path applies: float32 weights on the CPU, a torch built with oneDNN, and no LoRA
+    adapters (ppo_core.lora: the packed q/k/v and gate/up matmuls would bypass them)."""
     weight = next(model.parameters())
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and not any(hasattr(m, "lora_A") for m in model.modules()))
 
 
 @contextmanager
@@ -603,12 +605,13 @@ class PretrainedMixin:
 
     hf_names = {}  # parameter name here -> tensor name in the checkpoint, where they differ
 
-    def save_pretrained(self, out_dir, max_shard_size=None):
+    def save_pretrained(self, out_dir, max_shard_size=None, state_dict=None):
         """Write config.json (as it came) + model.safetensors (or shards of at most `max_shard_size` bytes
         with model.safetensors.index.json), each file atomically. Tensors are written straight from the
-        parameters' memory: no second copy of the model."""
+        parameters' memory: no second copy of the model. `state_dict` (names as in this module) replaces
+        the module's own, e.g. the full tensors gathered from a sharded model."""
         os.makedirs(out_dir, exist_ok=True)
-        state = {self.hf_names.get(k, k): v.detach() for k, v in self.state_dict().items()}
+        state = {self.hf_names.get(k, k): v.detach() for k, v in (state_dict or self.state_dict()).items()}
         if self.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         shards, current, size = [], {}, 0
@@ -657,10 +660,20 @@ class CausalLM(nn.Module, PretrainedMixin):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, attention_mask=None, cache=None, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T, V] (or the final hidden states [B, T, H])."""
+    def forward(self, input_ids, attention_mask=None, cache=None, return_hidden=False, head_fn=None):
+        """input_ids [B, T] -> logits [B, T, V] (or the final hidden states [B, T, H]).
+
+        head_fn(hidden [B, T, H], lm_head_weight [V, H]) -> anything: replaces the LM head, e.g. with a fused
+        log-prob or loss kernel that never forms the logits. It runs inside forward, where FSDP has the
+        head's weight gathered (outside, a sharded model holds only its shard)."""
         hidden = self.model(input_ids, attention_mask, cache)
+        if head_fn is not None:
+            return head_fn(hidden, self.lm_head.weight)
         return hidden if return_hidden else self.lm_head(hidden)
+
+    def decode_step(self, input_ids, cache: KVCache):
+        """input_ids [B, 1] -> logits [B, 1, V]: the fixed-shape static-cache step (Backbone.decode_step)."""
+        return self.lm_head(self.model.decode_step(input_ids, cache))
 
 
 class ScoreModel(nn.Module, PretrainedMixin):

@@ -144,8 +144,11 @@ class RunDir:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def save_checkpoint(self, step, **kwargs):
+    def save_checkpoint(self, step, sharded=False, **kwargs):
+        """Rank 0 saves; with sharded (FSDP) models every process takes part."""
         out = os.path.join(self.path, "checkpoints", f"step-{step}")
+        if sharded:
+            return checkpoint.save_checkpoint(self.path, step, sharded=True, **kwargs)
         if is_rank0():
             out = checkpoint.save_checkpoint(self.path, step, **kwargs)
         if torch.distributed.is_initialized():
@@ -246,16 +249,22 @@ class ListPromptStream:
 
     def __init__(self, prompts, seed):
         self.prompts, self.seed, self.drawn = list(prompts), seed, 0
+        self._order_epoch, self._order = None, None
 
-    def next_batch(self, n):
+    def _epoch_order(self, epoch):
         import random
 
+        if epoch != self._order_epoch:  # one shuffle per pass over the list, not per prompt drawn
+            self._order = list(range(len(self.prompts)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(self._order)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_batch(self, n):
         out = []
         while len(out) < n:
             epoch, i = divmod(self.drawn, len(self.prompts))
-            order = list(range(len(self.prompts)))
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            out.append(self.prompts[order[i]])
+            out.append(self.prompts[self._epoch_order(epoch)[i]])
             self.drawn += 1
         return out
 
@@ -264,3 +273,4 @@ class ListPromptStream:
 
     def load_state_dict(self, state):
         self.seed, self.drawn = state["seed"], state["drawn"]
+        self._order_epoch = None

@@ -28,7 +28,7 @@ import torch
 
 import ppo_kernels
 
-from . import algo, checkpoint
+from . import algo, checkpoint, lora
 from . import distributed as dist
 from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli
 from .generate import generate
@@ -45,6 +45,18 @@ DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo
 
 # ---------------------------------------------------------------------------- log-probs and values
 
+def response_labels(input_ids, response_mask, prompt_len):
+    """The response tokens as labels [B, R]: IGNORE_INDEX where response_mask is 0."""
+    return input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)
+
+
+def response_head(policy, input_ids, attention_mask, prompt_len, head):
+    """Run `policy` and hand head(hidden [B, R, H], lm_head_weight [V, H]) the hidden states at the positions
+    that predict the response tokens; returns what `head` returns. The head runs inside the model's forward
+    (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper."""
+    return policy(input_ids, attention_mask, head_fn=lambda hidden, weight: head(hidden[:, prompt_len - 1 : -1], weight))
+
+
 def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused):
     """Log-probs and entropy of the response tokens under `policy`, at `temperature`.
 
@@ -52,17 +64,27 @@ def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_l
     (0 where response_mask is 0). `fused` picks ppo_kernels' LM-head-fused path, which never forms the
     [B*R, V] logits; the reference path is log_softmax + gather on full logits.
     """
-    hidden = policy(input_ids, attention_mask, return_hidden=True)[:, prompt_len - 1 : -1]  # [B, R, H]
-    labels = input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)  # [B, R]
-    B, R, H = hidden.shape
-    if fused:
-        logprobs, entropy = ppo_kernels.linear_token_logprobs(
-            hidden.reshape(B * R, H), policy.lm_head.weight, labels.reshape(B * R),
-            temperature=temperature, return_entropy=True)
-    else:
-        logits = policy.lm_head(hidden)  # [B, R, V]
-        logprobs, entropy = ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
-    return logprobs.view(B, R), entropy.view(B, R)
+    labels = response_labels(input_ids, response_mask, prompt_len)  # [B, R]
+
+    def head(hidden, weight):
+        B, R, H = hidden.shape
+        if fused:
+            logprobs, entropy = ppo_kernels.linear_token_logprobs(
+                hidden.reshape(B * R, H), weight, labels.reshape(B * R), temperature=temperature, return_entropy=True)
+            return logprobs.view(B, R), entropy.view(B, R)
+        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
+        return ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
+
+    return response_head(policy, input_ids, attention_mask, prompt_len, head)
+
+
+def reference_logprobs(policy, reference, *args):
+    """response_logprobs under the reference. With LoRA and no separate reference checkpoint the reference
+    IS the policy object: its base weights, computed with the adapters switched off."""
+    if reference is policy:
+        with lora.adapters_disabled(policy):
+            return response_logprobs(policy, *args)
+    return response_logprobs(reference, *args)
 
 
 def response_values(critic, input_ids, attention_mask, prompt_len):
@@ -100,8 +122,10 @@ def render_prompt(tokenizer, prompt, cfg):
 
 
 def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
-    """Left-pad the encoded (rendered) prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool."""
-    encoded = [tokenizer.encode(render_prompt(tokenizer, p, cfg) if cfg else p) for p in prompts]
+    """Left-pad the encoded (rendered) prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool.
+    `prompts` may also be lists of token ids already encoded."""
+    encoded = [p if isinstance(p, list) else tokenizer.encode(render_prompt(tokenizer, p, cfg) if cfg else p)
+               for p in prompts]
     P = max(pad_to, max(len(e) for e in encoded))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
@@ -109,7 +133,7 @@ def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
     return ids, mask
 
 
-def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None):
+def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, prompt_ids=None):
     """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
     response_mask [B, R], decoded responses, ended_with_eos [B]).
 
@@ -117,12 +141,13 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
     whatever the number of processes."""
     device = next(policy.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, pad_to, cfg)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompt_ids or prompts, device, pad_to, cfg)
     eos = tokenizer.eos_token_id
-    tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
-                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
-                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
-                      global_rows=rows)
+    with dist.gathered(policy):  # FSDP: full weights for the whole call, no collective per decoding step
+        tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
+                          temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
+                          eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
+                          global_rows=rows)
     # The response is every token up to and including the first EOS.
     is_eos = tokens == eos
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # [B, R] strictly after the first EOS
@@ -134,10 +159,10 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
 
 @torch.no_grad()
 def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
-                    pad_to, rows):
+                    pad_to, rows, encoded):
     policy.eval()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(
-        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows)
+        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, prompt_ids=encoded)
     input_ids = torch.cat([prompt_ids, tokens], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask.bool()], dim=1)
     P = prompt_ids.shape[1]
@@ -146,7 +171,7 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
         args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
         with autocast():
             lp, ent = response_logprobs(policy, *args)
-            ref_lp, _ = response_logprobs(reference, *args)
+            ref_lp, _ = reference_logprobs(policy, reference, *args)
             v = response_values(critic, input_ids[mb], attention_mask[mb], P)
         old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
     scores = reward_source(prompts, responses)  # [B] float32, validated
@@ -192,12 +217,49 @@ def lr_at(step, total_steps, cfg: PPOConfig):
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg):
+    """The policy's minibatch loss on one micro-batch: the clipped surrogate (+ kl_coef * KL to the reference
+    when the KL is a loss term, cfg.kl_in_reward = False). Returns (loss to backward, pg_loss, kl_loss, stats).
+
+    fused: ppo_kernels.linear_policy_loss forms the log-probs, the loss and its gradients from the hidden
+    states and the LM head tile by tile, never the [B*R, V] logits; otherwise full logits, log_softmax +
+    gather and ppo_core.algo, the plain reference a researcher edits."""
+    labels = response_labels(ids, rm, P)
+    kl_in_loss = not cfg.kl_in_reward
+    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
+
+    def fused_head(hidden, weight):
+        return ppo_kernels.linear_policy_loss(
+            hidden, weight, labels, old_logp, advantages, rm, temperature=cfg.temperature, **clip, **agg,
+            ref_logp=ref_logp if kl_in_loss else None, kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind)
+
+    def reference_head(hidden, weight):
+        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
+        return ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature)
+
+    if cfg.fused_kernels:
+        loss, stats = response_head(policy, ids, am, P, fused_head)
+        logp = stats["logp"]  # detached; the KL term's value is reported separately below
+    else:
+        logp = response_head(policy, ids, am, P, reference_head)
+        loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, **agg)
+    kl_loss = torch.zeros(())
+    if kl_in_loss:
+        kl_loss = algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
+                                 num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+        if not cfg.fused_kernels:
+            loss = loss + kl_coef * kl_loss
+    pg_loss = loss.detach() - kl_coef * kl_loss.detach() if kl_in_loss else loss.detach()
+    return loss, pg_loss, kl_loss.detach(), stats
+
+
 def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn):
     """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic.
 
     Minibatches are drawn from one permutation of the GLOBAL batch (the same on every process); each
-    process runs the rows of the minibatch that it holds, in micro-batches, and `step_fn` sums the
-    gradients across processes and steps the optimizers."""
+    process runs the rows of the minibatch that it holds, in micro-batches, and the gradients are summed
+    across processes (DDP / FSDP, on the last micro-batch) before `step_fn` steps the optimizers.
+    `policy` and `critic` are what training forwards run through (a DDP wrapper, an FSDP or plain model)."""
     policy.train(), critic.train()
     b, P = rollout.input_ids.shape[0], rollout.prompt_len
     world, lo = dist.world_size(), dist.rank() * b
@@ -213,31 +275,35 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
             # add up to the minibatch's loss (and their gradients to its gradient).
             counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))
             agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+            # Every process runs as many micro-batches as the busiest one (their gradient reductions pair
+            # up); a process short of rows runs one of its rows with no token in the loss (gradient 0).
+            chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
+            n_micro = dist.all_reduce_max_int(len(chunks))
             # Sums over this minibatch's micro-batches (and, after the all-reduce, over processes):
             # losses (already normalised by the global counts) and token-weighted statistics.
             sums = torch.zeros(len(MB_STATS), dtype=torch.float64)
-            for rows in micro_batches(len(mb), cfg.micro_batch_size, mb):
+            for i in range(n_micro):
+                rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
                 ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
-                with autocast():
-                    logp, _ = response_logprobs(policy, ids, am, rm, P, cfg.temperature, cfg.fused_kernels)
-                pg_loss, pg_stats = algo.policy_loss(
-                    logp, rollout.old_logprobs[rows], rollout.advantages[rows], rm,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, **agg)
-                loss = pg_loss
-                kl_loss = torch.zeros(())
-                if not cfg.kl_in_reward:
-                    kl_loss = algo.aggregate(algo.kl_estimate(logp, rollout.ref_logprobs[rows], cfg.kl_loss_kind), rm, **agg)
-                    loss = loss + kl_coef * kl_loss
-                loss.backward()
-                with autocast():
-                    values = response_values(critic, ids, am, P).float()
-                vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
-                                                    clip=cfg.value_clip or None, **agg)
-                vf_loss.backward()
+                if i >= len(chunks):
+                    rm = torch.zeros_like(rm)
+                last = i == n_micro - 1
+                with dist.gradient_sync(policy, last):
+                    with autocast():
+                        loss, pg_loss, kl_loss, pg_stats = policy_objective(
+                            policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
+                            rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
+                    loss.backward()
+                with dist.gradient_sync(critic, last):
+                    with autocast():
+                        values = response_values(critic, ids, am, P).float()
+                    vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
+                                                        clip=cfg.value_clip or None, **agg)
+                    vf_loss.backward()
                 if first_ratio_dev is None:
                     first_ratio_dev = pg_stats["ratio_max_dev"].item()
                 n = rm.sum()
-                sums += torch.stack([pg_loss.detach(), vf_loss.detach(), kl_loss.detach(), pg_stats["clipfrac"] * n,
+                sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss, pg_stats["clipfrac"] * n,
                                      pg_stats["approx_kl"] * n, vf_stats["clipfrac"] * n]).double()
             sums = dist.all_reduce_sum(sums)
             tokens = max(counts[0].item(), 1.0)
@@ -285,17 +351,15 @@ class Optimizers:
             m.zero_grad(set_to_none=True)
 
     def step(self):
-        """Sum gradients over processes, clip, and step both optimizers — unless any gradient is not
+        """Clip the (already summed over processes) gradients and step both optimizers — unless any gradient is not
         finite, in which case no weight is touched and the update is counted as skipped."""
         cfg = self.cfg
         scale = lr_at(self.step_count, self.total_steps, cfg)
         finite = True
         for model in self.models:
-            params = [p for p in model.parameters() if p.requires_grad]
-            dist.sum_gradients(params)
-            params = [p for p in params if p.grad is not None]
+            params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-            finite = finite and bool(torch.isfinite(norm))
+            finite = finite and bool(torch.isfinite(dist.local_tensor(norm)))
         if finite:
             for opt, lr in ((self.policy_opt, cfg.lr), (self.critic_opt, cfg.critic_lr)):
                 for group in opt.param_groups:
@@ -342,6 +406,24 @@ def resolve_device_dtype(cfg):
     return device, param_dtype, use_autocast
 
 
+def spread_over_processes(policy, critic, reference, reward_source, cfg, device, mixed_precision):
+    """With more than one process: FSDP2-shard (cfg.parallel='fsdp') or DDP-wrap the trainable models, and
+    shard the frozen ones too with cfg.shard_frozen under FSDP. Returns the modules that training forwards
+    run through: (policy, critic) themselves, or their DDP wrappers. One process: the models as they are."""
+    if dist.world_size() == 1:
+        return policy, critic
+    if cfg.parallel == "ddp":
+        return dist.replicate(policy, device), dist.replicate(critic, device)
+    for model in (policy, critic):
+        dist.shard(model, device, mixed_precision=mixed_precision, cpu_offload=cfg.cpu_offload)
+    if cfg.shard_frozen:
+        if reference is not policy:
+            dist.shard(reference, device, mixed_precision=mixed_precision)
+        if hasattr(reward_source, "model"):  # its score() reads the head outside forward: keep the root whole
+            dist.shard(reward_source.model, device, root=False, mixed_precision=mixed_precision)
+    return policy, critic
+
+
 class StopRequested(Exception):
     """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops."""
 
@@ -363,12 +445,21 @@ def run(cfg: PPOConfig, resume_from=None):
     # Everything that can be wrong with the input is checked before the run directory is touched.
     tokenizer = load_tokenizer(policy_path)
     policy = load_model(policy_path, dtype=param_dtype, device=device)
-    reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
     critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device)
+    if cfg.lora_rank:
+        init = torch.Generator(device=device).manual_seed(cfg.seed + 2)  # the same adapters on every process
+        for model in (policy, critic):
+            lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha or None, generator=init)
+    if cfg.lora_rank and not cfg.reference:
+        reference = policy  # the base weights: the policy with its adapters off (see reference_logprobs)
+    else:
+        reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
     if tokenizer.vocab_size > policy.args.vocab_size:
         raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
     policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
     reward_source = make_reward_source(cfg, device, param_dtype)
+    policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device, use_autocast)
+    sharded = dist.is_sharded(policy)
     train_prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else []
     if cfg.eval_prompts_file:
         held_out = load_prompts(cfg.eval_prompts_file)[: cfg.eval_size]
@@ -407,7 +498,7 @@ def run(cfg: PPOConfig, resume_from=None):
     start_iter, state = 0, {}
     if ckpt is not None:
         state = checkpoint.load_training_state(ckpt, policy=policy, critic=critic, policy_opt=opts.policy_opt,
-                                               critic_opt=opts.critic_opt, generators=generators)
+                                               critic_opt=opts.critic_opt, generators=generators, sharded=sharded)
         start_iter = state["step"]
         opts.step_count, opts.skipped = state["optimizer_step"], state["skipped_updates"]
         kl_ctl.load_state_dict(state["kl_controller"])
@@ -423,7 +514,7 @@ def run(cfg: PPOConfig, resume_from=None):
         state["last_kl"] = 0.0
 
     def save(step):
-        return run_dir.save_checkpoint(step, policy=policy, critic=critic, tokenizer=tokenizer,
+        return run_dir.save_checkpoint(step, sharded=sharded, policy=policy, critic=critic, tokenizer=tokenizer,
                                        policy_opt=opts.policy_opt, critic_opt=opts.critic_opt, generators=generators,
                                        state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
                                               "kl_controller": kl_ctl.state_dict(), "prompt_stream": stream.state_dict(),
@@ -441,13 +532,14 @@ def run(cfg: PPOConfig, resume_from=None):
             sample_gen.manual_seed(cfg.seed * 1_000_003 + it)
             global_prompts = stream.next_batch(cfg.rollout_batch_size)
             prompts = global_prompts[rank * b : (rank + 1) * b]
-            pad_to = dist.all_reduce_max_int(max(len(tokenizer.encode(render_prompt(tokenizer, p, cfg))) for p in prompts))
+            encoded = [tokenizer.encode(render_prompt(tokenizer, p, cfg)) for p in prompts]  # rendered once
+            pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
             rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg,
-                                             sample_gen, autocast, pad_to, (rank * b, cfg.rollout_batch_size))
+                                             sample_gen, autocast, pad_to, (rank * b, cfg.rollout_batch_size), encoded)
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)
             t_train = time.perf_counter()
-            train_stats = ppo_update(policy, critic, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step)
+            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step)
             t_end = time.perf_counter()
 
             # Metrics over the global batch.

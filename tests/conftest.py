@@ -1,7 +1,33 @@
 """Without a GPU, run the Triton kernels through Triton's CPU interpreter (must be set before triton is imported)."""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread(request):
+    """Kernel tests: tiny ops on 2 shared cores are far faster single-threaded (no OpenMP wake-ups)."""
+    if not request.module.__name__.startswith("test_kernels"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def poisoned_empty():
+    """Make every torch.empty NaN-filled (ints: max value), so an output element never written shows up."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(8).isnan().all()
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = fill

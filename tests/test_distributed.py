@@ -1,11 +1,13 @@
 """Data parallelism under real `torchrun` with the gloo backend: 2 processes compute the same update
-as 1 process on the same global batch, and a 2-process run killed mid-rollout resumes identically."""
+as 1 process on the same global batch, with DDP (the default) and with FSDP2, and a 2-process run killed
+mid-rollout resumes identically (FSDP: from its sharded checkpoint)."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from test_resume import DRIVER
@@ -82,3 +84,56 @@ def test_two_process_run_killed_mid_rollout_resumes_identically(token_mean_runs,
     a, b = weights(d / "two", 2), weights(run_dir, 2)
     assert all((a[k] == b[k]).all() for k in a)  # bitwise: same processes, same order of operations
     assert metrics(d / "two") == metrics(run_dir)
+
+
+# ---------------------------------------------------------------------------- FSDP2 (parallel=fsdp)
+
+@pytest.fixture(scope="module")
+def fsdp_run(token_mean_runs):
+    d, args = token_mean_runs
+    fsdp = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--parallel=fsdp", f"--out={d / 'fsdp'}"], d)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    return d, args + ["--parallel=fsdp"]
+
+
+def test_fsdp_two_processes_match_one(fsdp_run):
+    d, _ = fsdp_run
+    assert_same_run(d / "one", d / "fsdp", step=2)
+    # the consolidated critic too (the HF policy is compared in assert_same_run)
+    a = load_file(str(d / "one" / "checkpoints" / "step-2" / "critic" / "model.safetensors"))
+    b = load_file(str(d / "fsdp" / "checkpoints" / "step-2" / "critic" / "model.safetensors"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+
+
+def test_fsdp_checkpoint_is_sharded_per_process(fsdp_run):
+    d, _ = fsdp_run
+    ckpt = d / "fsdp" / "checkpoints" / "step-2"
+    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
+    assert shards == ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert not (ckpt / "optimizer.safetensors").exists()  # AdamW moments live only in the shards
+    full = weights(d / "fsdp", 2)
+    first, second = (load_file(str(ckpt / "sharded" / s)) for s in shards)
+    name = "model.layers.0.mlp.down_proj.weight"
+    # each process holds its half of every parameter (dim-0 chunks) and of its AdamW moments
+    rows = full[name].shape[0]
+    assert first[f"policy.{name}"].shape[0] + second[f"policy.{name}"].shape[0] == rows
+    assert first[f"policy.{name}"].shape[0] == (rows + 1) // 2
+    assert torch.equal(torch.cat([first[f"policy.{name}"], second[f"policy.{name}"]]), full[name])
+    assert first[f"policy_optimizer.{name}.exp_avg"].shape == first[f"policy.{name}"].shape
+
+
+def test_fsdp_run_killed_mid_rollout_resumes_identically_from_shards(fsdp_run, tmp_path):
+    d, args = fsdp_run
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    run_dir = tmp_path / "run"
+    killed = launch(TORCHRUN + [str(driver), "rollout", "4", *args, f"--out={run_dir}"], tmp_path)
+    assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-1"
+    resumed = launch(TORCHRUN + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for sub in ("model.safetensors", "critic/model.safetensors"):
+        a = load_file(str(d / "fsdp" / "checkpoints" / "step-2" / sub))
+        b = load_file(str(run_dir / "checkpoints" / "step-2" / sub))
+        assert all(torch.equal(a[k], b[k]) for k in a), sub  # bitwise
+    assert metrics(d / "fsdp") == metrics(run_dir)

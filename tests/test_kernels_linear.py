@@ -30,27 +30,6 @@ DEVICES = {"triton": TRITON_DEVICE, "torch": "cpu"}
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def poisoned_empty():
-    """Make every torch.empty NaN-filled, so an output or gradient element never written shows up."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    assert torch.empty(8).isnan().all()
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
-
-
 def truth64(hidden, weight, labels, temperature):
     logp_all = torch.log_softmax((hidden.double() @ weight.double().T) / temperature, dim=-1)  # [N, V]
     ignored = labels == -100

@@ -29,26 +29,6 @@ TRITON_DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def poisoned_empty():
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    assert torch.empty(8).isnan().all()
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
-
-
 def batch(B=4, T=33, dtype=torch.float64, spread=0.3, device="cpu"):
     logp = torch.randn(B, T, dtype=dtype) * 0.5 - 2.0
     old_logp = logp + torch.randn(B, T, dtype=dtype) * spread
@@ -212,7 +192,8 @@ def linear_loss_and_grads(fn, hidden, weight, *args, **kwargs):
     h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     loss, stats = fn(h, w, *args, **kwargs)
     loss.backward()
-    return loss.detach(), h.grad, w.grad, {k: v.item() for k, v in stats.items() if k != "logp_mean"}
+    scalars = {k: v.item() for k, v in stats.items() if k not in ("logp_mean", "logp")}
+    return loss.detach(), h.grad, w.grad, scalars, stats.get("logp")
 
 
 LINEAR_CONFIGS = [
@@ -246,6 +227,12 @@ def test_linear_policy_loss_matches_reference(impl, config, monkeypatch, poisone
     for key in truth[3]:
         assert abs(got[3][key] - truth[3][key]) <= 1e-5, key
     assert (got[1][labels == -100] == 0).all() and (got[1][mask == 0] == 0).all()
+    # the per-token log-probs it hands back (the loop reports the KL term from them): those of the
+    # float64 reference on the tokens in the loss, 0 elsewhere
+    in_loss = (mask > 0) & (labels != -100)
+    truth_logp = ppo_kernels.linear_token_logprobs_reference(f64(hidden), f64(weight), labels, temperature=kwargs.get("temperature", 1.0))
+    assert got[4].shape == mask.shape and (got[4][~in_loss] == 0).all()
+    assert (got[4].double().cpu() - truth_logp.cpu())[in_loss.cpu()].abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -253,7 +240,7 @@ def test_linear_policy_loss_fully_masked(impl):
     fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
     device = "cpu" if impl == "torch" else TRITON_DEVICE
     hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(2, 10, 16, 100, device=device)
-    loss, dh, dw, stats = linear_loss_and_grads(fn, hidden, weight, labels, old_logp, advantages,
+    loss, dh, dw, stats, _ = linear_loss_and_grads(fn, hidden, weight, labels, old_logp, advantages,
                                                 torch.zeros_like(mask), kl_coef=0.1, ref_logp=ref_logp)
     assert loss.item() == 0.0 and (dh == 0).all() and (dw == 0).all()
 
@@ -261,9 +248,9 @@ def test_linear_policy_loss_fully_masked(impl):
 def test_linear_policy_loss_flat_tokens_and_frozen_head():
     hidden, weight, labels, old_logp, advantages, mask, _ = linear_batch(2, 20, 16, 300)
     flat = lambda t: t.reshape(-1, *t.shape[2:])
-    loss_2d, dh_2d, dw_2d, _ = linear_loss_and_grads(linear_policy_loss_torch, hidden, weight, labels, old_logp,
+    loss_2d, dh_2d, dw_2d, *_ = linear_loss_and_grads(linear_policy_loss_torch, hidden, weight, labels, old_logp,
                                                      advantages, mask)
-    loss_1d, dh_1d, dw_1d, _ = linear_loss_and_grads(linear_policy_loss_torch, flat(hidden), weight, flat(labels),
+    loss_1d, dh_1d, dw_1d, *_ = linear_loss_and_grads(linear_policy_loss_torch, flat(hidden), weight, flat(labels),
                                                      flat(old_logp), flat(advantages), flat(mask))
     assert torch.allclose(loss_1d, loss_2d, atol=1e-6) and torch.allclose(dh_1d, flat(dh_2d), atol=1e-7)
     h = hidden.clone().requires_grad_()

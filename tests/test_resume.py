@@ -137,15 +137,15 @@ def test_resume_errors(tmp_path, capsys):
 
 def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, capsys):
     """Fault injection through a pytest fixture: the policy loss turns NaN from the 3rd micro-batch on."""
-    real_policy_loss = train.algo.policy_loss
+    real_objective = train.policy_objective  # the policy's micro-batch loss, fused or reference path
     calls = [0]
 
     def poisoned(*args, **kwargs):
-        loss, stats = real_policy_loss(*args, **kwargs)
+        loss, *rest = real_objective(*args, **kwargs)
         calls[0] += 1
-        return (loss * float("nan") if calls[0] >= 3 else loss), stats
+        return (loss * float("nan") if calls[0] >= 3 else loss), *rest
 
-    monkeypatch.setattr(train.algo, "policy_loss", poisoned)
+    monkeypatch.setattr(train, "policy_objective", poisoned)
     cfg = build_config(overrides={"out": str(tmp_path / "run"), "iterations": "3", "eval_size": "8",
                                   "rollout_batch_size": "32", "minibatch_size": "16", "micro_batch_size": "16",
                                   "ppo_epochs": "2", "max_skipped_updates": "3", "progress": "false"})

@@ -1,9 +1,14 @@
 """A reward-model checkpoint as the PPO reward source (and the critic's initialisation), scored as
 transformers scores it."""
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,3 +63,23 @@ def test_ppo_with_reward_model_and_critic_from_it(reward_model_dir, tmp_path):
 def test_reward_model_and_reward_fn_conflict(tmp_path, capsys):
     assert train.main(["--reward_model=x", "--reward_fn=a:b", f"--out={tmp_path}/r"]) == 2
     assert "'reward_model' conflicts with reward_fn" in capsys.readouterr().err
+
+
+def test_sharded_reward_model_under_fsdp_matches_one_process(reward_model_dir, tmp_path):
+    """parallel=fsdp shards the frozen reward model's blocks (its score head, read outside forward, stays
+    whole) and the reference; 2 processes under torchrun give the run of 1 process."""
+    path, _, _ = reward_model_dir
+    argv = [f"--reward_model={path}", f"--critic={path}", "--iterations=1", "--eval_size=8",
+            "--rollout_batch_size=16", "--minibatch_size=16", "--micro_batch_size=4", "--ppo_epochs=1",
+            "--progress=false", "--parallel=fsdp"]
+    assert train.main(argv + [f"--out={tmp_path / 'one'}"]) == 0
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run([*torchrun, "-m", "ppo_core.train", *argv, f"--out={tmp_path / 'two'}"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for sub in ("model.safetensors", "critic/model.safetensors"):
+        a = load_file(str(tmp_path / "one" / "checkpoints" / "step-1" / sub))
+        b = load_file(str(tmp_path / "two" / "checkpoints" / "step-1" / sub))
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5, sub
+    m1, m2 = (json.loads((tmp_path / d / "metrics.jsonl").read_text()) for d in ("one", "two"))
+    assert m1["reward/mean"] == pytest.approx(m2["reward/mean"], abs=1e-6)  # the same scores from the shards

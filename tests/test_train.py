@@ -94,9 +94,12 @@ def test_same_seed_same_metrics(tmp_path):
     assert read_metrics(tmp_path / "c")[0]["reward/mean"] != a[0]["reward/mean"]
 
 
-def test_fused_and_reference_paths_agree(tmp_path):
-    """The fused log-prob path and the plain log_softmax+gather reference give the same run."""
-    args = ("--iterations=2", "--eval_size=32", "--ppo_epochs=2")
+@pytest.mark.parametrize("variant", [(), ("--kl_in_reward=false", "--kl_loss_kind=k3", "--loss_agg=seq-mean-token-mean")])
+def test_fused_and_reference_paths_agree(tmp_path, variant):
+    """The fused paths (linear_token_logprobs for old/reference log-probs, linear_policy_loss for the update,
+    with the KL term fused in for the second variant) and the plain reference (full logits, log_softmax +
+    gather, ppo_core.algo) give the same run."""
+    args = ("--iterations=2", "--eval_size=32", "--ppo_epochs=2", *variant)
     ppo_train(*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}", cwd=tmp_path)
     ppo_train(*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}", cwd=tmp_path)
     fused, ref = strip_wall_clock(read_metrics(tmp_path / "fused")), strip_wall_clock(read_metrics(tmp_path / "ref"))
