@@ -8,8 +8,9 @@ A random-weight checkpoint with the architecture of `--config` is written to a t
 (EOS ignored) from the same random prompts; the script checks the tokens are identical, then reports the
 median wall time of `--repeats` timed calls after a short warm-up call each (the calls of the implementations
 interleaved), as new tokens per second (batch * new / time, prefill included) and milliseconds per new token
-step. ppo_core runs twice: with its default CPU fast path (oneDNN-packed weights, see model.cpu_packed_linears)
-and with plain F.linear, the same matmul transformers uses.
+step. ppo_core runs three times: with its default CPU fast path (oneDNN-packed weights, see model.cpu_packed_linears),
+with plain F.linear, the same matmul transformers uses, and with packed weights and the static-cache decode step
+(`static_cache=True`, every step attends over all prompt + new slots with a mask: the default on a GPU).
 """
 import argparse
 import os
@@ -82,6 +83,7 @@ def main():
         fns["transformers generate (static cache)"] = lambda new: run_hf(new, cache_implementation="static")
     fns["ppo_core generate, plain F.linear"] = lambda new: run_ours(new, cpu_packed_weights=False)
     fns["ppo_core generate (packed CPU weights)"] = run_ours
+    fns["ppo_core generate (packed, static cache)"] = lambda new: run_ours(new, static_cache=True)
     results = timed(fns, args.new, args.repeats)
     hf_tokens, t_hf = results["transformers generate (dynamic cache)"]
     rows = [(name, t, bool(torch.equal(tokens, hf_tokens))) for name, (tokens, t) in results.items()]

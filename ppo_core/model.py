@@ -384,22 +384,73 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """A static cache: keys/values for every layer, preallocated for `max_len` positions.
+    """Keys/values of every layer, preallocated for `max_len` time slots (prompt + new tokens, padding included).
 
-    k, v: [L, B, nkv, max_len, hs]. `length` is how many slots are filled; `mask` [B, max_len] marks real
-    (non-pad) slots, so attention never looks at padding or unfilled slots; `n_real` [B] counts the real
-    tokens seen, which is the RoPE position of the next one. Sliding-window layers keep every slot and
-    mask the keys outside their window.
+    Full-attention layers keep every slot: k, v [L_full, B, nkv, max_len, hs]. Sliding-window layers keep only
+    a ring of R = min(window, max_len) slots, time slot t in ring slot t % R: k_ring, v_ring [L_ring, B, nkv, R, hs]
+    (a query at t sees t-window+1..t, so the window's last R keys are all it needs). A window at least as long
+    as the cache never excludes a key; such a layer is cached as a full one. `layer_k[i]`, `layer_v[i]` are
+    views of layer i's buffer, [B, nkv, max_len or R, hs].
+
+    mask [B, max_len] bool: time slot t holds a real (non-pad) token; unfilled slots are False.
+    n_real [B] int64: real tokens seen so far, which is the RoPE position of the next one.
+    length (int) and slot ([] int64): slots filled so far, on the host (read by `Backbone.forward`, which
+    slices by it) and on the device (read by `Backbone.decode_step`, whose shapes must not depend on it).
     """
 
     def __init__(self, args: ModelArgs, batch_size, max_len, device, dtype):
-        shape = (args.num_hidden_layers, batch_size, args.num_key_value_heads, max_len, args.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.mask = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
-        self.n_real = torch.zeros(batch_size, device=device, dtype=torch.long)
+        B, nkv, hs = batch_size, args.num_key_value_heads, args.head_dim
+        self.max_len = max_len
+        self.windows = [w if w is not None and w < max_len else None for w in args.sliding_windows]
+        ring_windows = set(self.windows) - {None}
+        if len(ring_windows) > 1:
+            raise ValueError(f"KVCache: the sliding layers have different windows {sorted(ring_windows)}; "
+                             "one ring size per cache is supported")
+        self.ring_size = min(ring_windows) if ring_windows else 0  # R
+        n_ring = sum(w is not None for w in self.windows)
+        n_full = args.num_hidden_layers - n_ring
+        self.k = torch.zeros((n_full, B, nkv, max_len, hs), device=device, dtype=dtype)
+        self.v = torch.zeros((n_full, B, nkv, max_len, hs), device=device, dtype=dtype)
+        self.k_ring = torch.zeros((n_ring, B, nkv, self.ring_size, hs), device=device, dtype=dtype)
+        self.v_ring = torch.zeros((n_ring, B, nkv, self.ring_size, hs), device=device, dtype=dtype)
+        full, ring = iter(range(n_full)), iter(range(n_ring))
+        self.layer_k, self.layer_v = [], []
+        for window in self.windows:
+            if window is None:
+                i = next(full)
+                self.layer_k.append(self.k[i]), self.layer_v.append(self.v[i])
+            else:
+                i = next(ring)
+                self.layer_k.append(self.k_ring[i]), self.layer_v.append(self.v_ring[i])
+        self.mask = torch.zeros(B, max_len, device=device, dtype=torch.bool)
+        self.n_real = torch.zeros(B, device=device, dtype=torch.long)
+        self.slot = torch.zeros((), device=device, dtype=torch.long)
         self.length = 0
-        self.has_padding = False  # set once a pad slot is written; until then decoding needs no mask
+        self.has_padding = False  # set once a pad slot is written; until then `forward` decodes without a mask
+
+
+def ring_times(newest, ring_size, device):
+    """[R] int64: the time slot held by each ring slot j when the newest time written is `newest` (an int or a
+    [] tensor): the latest t <= newest with t % R == j; negative for a slot not yet written."""
+    j = torch.arange(ring_size, device=device)
+    return newest - (newest - j) % ring_size
+
+
+def causal_window_mask(q_times, k_times, real, window):
+    """[B|1, 1, T, S] bool (True = may attend) for queries at time slots q_times [T] and keys at k_times [S]
+    (negative = an empty slot); real [B, S] bool marks keys that are real tokens (None: all are).
+
+    Causal, never an empty slot or a pad, and with a window a query at t sees only t-window+1..t (transformers'
+    `sliding_window_overlay`: kv_idx > q_idx - window). A pad query sees only itself, so that softmax stays finite
+    (its output is never read)."""
+    q, k = q_times[:, None], k_times[None, :]  # [T, 1], [1, S]
+    allowed = (k <= q) & (k >= 0)
+    if window is not None:
+        allowed = allowed & (k > q - window)
+    allowed = allowed[None]  # [1, T, S]
+    if real is not None:
+        allowed = allowed & real[:, None, :]  # [B, T, S]
+    return (allowed | (k == q)[None])[:, None]
 
 
 class Attention(nn.Module):
@@ -422,9 +473,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.n_heads * hs, args.rms_norm_eps, weight_in_float32=True)
             self.k_norm = RMSNorm(self.n_kv * hs, args.rms_norm_eps, weight_in_float32=True)
 
-    def forward(self, x, rope, attn_mask, cache: KVCache | None):
+    def forward(self, x, rope, attn_mask, cache: KVCache | None, static=False):
         """x [B, T, H]; rope: (cos, sin) [B, 1, T, hs] or None (NoPE layer); attn_mask: [B, 1, T, S] bool
-        (True = may attend), or None for plain causal attention. Returns [B, T, H]."""
+        (True = may attend), or None for plain causal attention; static: the fixed-shape decode step
+        (see cache_keys_values). Returns [B, T, H]."""
         B, T, _ = x.shape
         if self.packed_qkv is not None and not torch.is_grad_enabled():  # CPU fast path: one matmul
             q, k, v = packed_linear(x, *self.packed_qkv).split(
@@ -445,11 +497,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         is_causal = attn_mask is None and cache is None
         if cache is not None:
-            start = cache.length
-            cache.k[self.layer_idx, :, :, start : start + T] = k
-            cache.v[self.layer_idx, :, :, start : start + T] = v
-            k = cache.k[self.layer_idx, :, :, : start + T]  # [B, nkv, S, hs]
-            v = cache.v[self.layer_idx, :, :, : start + T]
+            start = 0 if static else cache.length
+            k, v = self.cache_keys_values(cache, k, v, static)  # [B, nkv, S, hs]
             # without a mask, T new queries see all cached keys: causal among themselves only if T > 1
             is_causal = attn_mask is None and T > 1 and start == 0
             if attn_mask is None and T > 1 and start > 0:
@@ -459,6 +508,36 @@ class Attention(nn.Module):
                                            enable_gqa=self.n_heads != self.n_kv)  # [B, nh, T, hs]
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y)
+
+    def cache_keys_values(self, cache: KVCache, k, v, static):
+        """Store this layer's new keys and values k, v [B, nkv, T, hs] in the cache -> the keys and values to
+        attend over [B, nkv, S, hs], in the order Backbone's masks assume.
+
+        static (Backbone.decode_step): T = 1 at time slot `cache.slot`, a device tensor: written in place
+        (index_copy_), then all max_len (full layer) or R (ring) slots are attended over: the same shapes
+        at every step. Otherwise at time slots cache.length.. (host int): a full layer attends over slots
+        0..length+T-1; a ring layer over its R slots followed by the T new keys (only the new ones for the
+        first call), and keeps the last min(T, R) of them."""
+        k_buf, v_buf = cache.layer_k[self.layer_idx], cache.layer_v[self.layer_idx]  # [B, nkv, max_len | R, hs]
+        ring = cache.windows[self.layer_idx] is not None
+        R = k_buf.shape[2]
+        if static:
+            # [1]; in a ring, the slot written held time slot - R, which no query from now on sees
+            index = (cache.slot % R if ring else cache.slot).view(1)
+            k_buf.index_copy_(2, index, k)
+            v_buf.index_copy_(2, index, v)
+            return k_buf, v_buf
+        start, T = cache.length, k.shape[2]
+        if not ring:
+            k_buf[:, :, start : start + T] = k
+            v_buf[:, :, start : start + T] = v
+            return k_buf[:, :, : start + T], v_buf[:, :, : start + T]
+        keys, values = (k, v) if start == 0 else (torch.cat([k_buf, k], 2), torch.cat([v_buf, v], 2))
+        n = min(T, R)
+        index = torch.arange(start + T - n, start + T, device=k.device) % R  # [n]: time t goes to ring slot t % R
+        k_buf.index_copy_(2, index, k[:, :, T - n :])
+        v_buf.index_copy_(2, index, v[:, :, T - n :])
+        return keys, values
 
 
 def _causal_mask(start, T, S, device):
@@ -499,11 +578,11 @@ class Block(nn.Module):
             self.input_layernorm = make_norm(args, args.hidden_size)
             self.post_attention_layernorm = make_norm(args, args.hidden_size)
 
-    def forward(self, x, rope, attn_mask, cache):
+    def forward(self, x, rope, attn_mask, cache, static=False):
         if self.norm_after:
-            x = x + self.post_attention_layernorm(self.self_attn(x, rope, attn_mask, cache))
+            x = x + self.post_attention_layernorm(self.self_attn(x, rope, attn_mask, cache, static))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache, static)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -534,6 +613,17 @@ class Backbone(nn.Module):
             self._rope_tables[key] = table
         return table
 
+    def ropes(self, positions, n_positions, dtype):
+        """layer type -> (cos, sin) [B|1, 1, T, hs] at positions [B|1, T] (< n_positions), for layers with RoPE."""
+        out = {}
+        for layer_type in set(t for t, r in zip(self.args.layer_types, self.args.use_rope) if r):
+            cos, sin = self.rope_table(layer_type, n_positions, positions.device)
+            cos, sin = cos[positions][:, None], sin[positions][:, None]  # [B, 1, T, hs] float32
+            if not self.args.float32_rope_and_norm_weight:
+                cos, sin = cos.to(dtype), sin.to(dtype)
+            out[layer_type] = (cos, sin)
+        return out
+
     def forward(self, input_ids, attention_mask=None, cache: KVCache | None = None):
         """input_ids [B, T]; attention_mask [B, T] (1 = real token, None = all real); with a cache, the T
         tokens are appended after the `cache.length` slots already filled. -> hidden [B, T, H]."""
@@ -541,6 +631,7 @@ class Backbone(nn.Module):
         device = input_ids.device
         start = 0 if cache is None else cache.length
         S = start + T
+        windows = self.args.sliding_windows if cache is None else cache.windows
         # Positions count real tokens only, so a left-padded prompt gets the same positions as alone.
         if attention_mask is None:
             padded, key_mask = False, None
@@ -552,6 +643,8 @@ class Backbone(nn.Module):
         if cache is None:
             positions = new_positions.clamp(min=0)
         else:
+            if S > cache.max_len:
+                raise ValueError(f"KVCache of {cache.max_len} slots cannot take {T} more after {start}")
             if attention_mask is None:
                 cache.mask[:, start:S] = True
                 n_new = T
@@ -565,38 +658,61 @@ class Backbone(nn.Module):
             key_mask = cache.mask[:, :S]  # [B, S]
 
         # One boolean mask [B, 1, T, S] per distinct window (None = plain causal, no padding).
+        q_times = torch.arange(start, S, device=device)  # [T]
         masks = {}
-        for window in set(self.args.sliding_windows):
-            if not padded and (window is None or window >= S):
+        for window in set(windows):
+            if cache is not None and window is not None and start > 0:  # keys: the ring's R slots, then the new ones
+                k_times = torch.cat([ring_times(start - 1, cache.ring_size, device), q_times])  # [R + T]
+                real = cache.mask.gather(1, k_times.clamp(min=0).expand(B, -1))  # [B, R + T]
+                masks[window] = causal_window_mask(q_times, k_times, real, window)
+            elif not padded and (window is None or window >= S):
                 masks[window] = None
-                continue
-            q_idx = torch.arange(start, S, device=device)[:, None]
-            k_idx = torch.arange(S, device=device)[None, :]
-            allowed = (k_idx <= q_idx)[None]  # [1, T, S]
-            if key_mask is not None:
-                allowed = allowed & key_mask[:, None, :]  # [B, T, S]
-            if window is not None:
-                allowed = allowed & (k_idx > q_idx - window)[None]
-            # A pad query has no real key; let it see itself so softmax stays finite (its output is never read).
-            masks[window] = (allowed | (k_idx == q_idx)[None])[:, None]
+            else:  # keys: time slots 0..S-1
+                masks[window] = causal_window_mask(q_times, torch.arange(S, device=device), key_mask, window)
 
         x = self.embed_tokens(input_ids)  # [B, T, H]
-        ropes = {}
-        for layer_type in set(t for t, r in zip(self.args.layer_types, self.args.use_rope) if r):
-            cos, sin = self.rope_table(layer_type, S, device)
-            cos, sin = cos[positions][:, None], sin[positions][:, None]  # [B, 1, T, hs] float32
-            if not self.args.float32_rope_and_norm_weight:
-                cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-            ropes[layer_type] = (cos, sin)
+        ropes = self.ropes(positions, S, x.dtype)
         for i, layer in enumerate(self.layers):
             rope = ropes.get(self.args.layer_types[i]) if self.args.use_rope[i] else None
-            attn_mask = masks[self.args.sliding_windows[i]]
+            attn_mask = masks[windows[i]]
             if self.gradient_checkpointing and self.training and cache is None:
                 x = torch.utils.checkpoint.checkpoint(layer, x, rope, attn_mask, None, use_reentrant=False)
             else:
                 x = layer(x, rope, attn_mask, cache)
         if cache is not None:
             cache.length = S
+            cache.slot.fill_(S)
+        return self.norm(x)
+
+    def decode_step(self, input_ids, cache: KVCache):
+        """One new real token per row, input_ids [B, 1], at time slot `cache.slot` -> hidden [B, 1, H].
+
+        The static-cache step: every full-attention layer attends over all max_len slots and every sliding
+        layer over its R ring slots, masked by which slots hold real tokens; the slot and the RoPE positions
+        (`cache.n_real`) are device tensors, written in place. So every call runs the same kernels on tensors of
+        the same shapes and never reads a tensor on the host: what a CUDA graph can capture once and replay
+        (generate.CUDAGraphStep). Gives the tokens of `forward` with the cache (tests/test_generate.py)."""
+        device = input_ids.device
+        slot = cache.slot  # [] int64, the time slot of the new token
+        cache.mask.index_fill_(1, slot.view(1), True)
+        masks = {}
+        for window in set(cache.windows):
+            if window is None:  # every slot; the unfilled ones are False in cache.mask
+                k_times = torch.arange(cache.max_len, device=device)  # [max_len]
+                masks[window] = causal_window_mask(slot.view(1), k_times, cache.mask, None)  # [B, 1, 1, max_len]
+            else:
+                k_times = ring_times(slot, cache.ring_size, device)  # [R]
+                real = cache.mask.gather(1, k_times.clamp(min=0).expand(cache.mask.shape[0], -1))  # [B, R]
+                masks[window] = causal_window_mask(slot.view(1), k_times, real, window)  # [B, 1, 1, R]
+
+        x = self.embed_tokens(input_ids)  # [B, 1, H]
+        ropes = self.ropes(cache.n_real[:, None], cache.max_len, x.dtype)  # a table for every slot: never regrown
+        for i, layer in enumerate(self.layers):
+            rope = ropes.get(self.args.layer_types[i]) if self.args.use_rope[i] else None
+            x = layer(x, rope, masks[cache.windows[i]], cache, static=True)
+        cache.n_real += 1
+        cache.slot += 1
+        cache.length += 1  # the host copy, for a later `forward`; never read here (a CUDA graph replay skips it)
         return self.norm(x)
 
 

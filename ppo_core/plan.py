@@ -58,8 +58,9 @@ saves in this hand-written model (ppo_core/model.py), per block:
   larger of the two, not the sum.
 
 Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)):
-  KV cache = 2 (k and v) x L x B x nkv x (P + R) x hs x 2 bytes (bf16): exactly ppo_core.model.KVCache's
-             tensors (+ its [B, P+R] mask and [B] counters).
+  KV cache = 2 (k and v) x B x nkv x hs x 2 bytes (bf16) x sum over layers of their slots: P + R for full
+             attention, min(window, P + R) for a sliding-window layer (a ring): exactly ppo_core.model.KVCache's
+             tensors (+ its [B, P+R] mask, [B] counters and write slot).
   generation working set, the larger of: prefill a B P (3 I + 2 H) + f B P H + (a + 1) B P^2 (the biggest block
              temporaries and the float/bool masks) and decoding 40 B V (about ten fp32 [B, V] sampling buffers).
   scoring (policy, reference, critic and reward no-grad forwards in micro-batches of M): M rows of the same
@@ -221,9 +222,11 @@ def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_
 
 
 def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
-    """ppo_core.model.KVCache: k and v [L, B, nkv, P+R, hs], the [B, P+R] bool mask and [B] int64 counters."""
-    elements = args.num_hidden_layers * batch * args.num_key_value_heads * max_len * args.head_dim
-    return 2 * elements * kv_bytes + batch * max_len + 8 * batch
+    """ppo_core.model.KVCache: k and v [L, B, nkv, P+R, hs] for full-attention layers and a ring of
+    min(window, P+R) slots for sliding-window ones, the [B, P+R] bool mask, [B] int64 counters, the slot."""
+    slots = sum(max_len if w is None else min(w, max_len) for w in args.sliding_windows)  # over layers
+    elements = slots * batch * args.num_key_value_heads * args.head_dim
+    return 2 * elements * kv_bytes + batch * max_len + 8 * batch + 8
 
 
 def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4) -> int:

@@ -188,7 +188,7 @@ def test_help_states_the_formulas(capsys):
         plan.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for phrase in ("18 B/param", "4 n (fp32 master)", "KV cache = 2 (k and v) x L x B x nkv x (P + R) x hs", "4 a N I"):
+    for phrase in ("18 B/param", "4 n (fp32 master)", "min(window, P + R) for a sliding-window layer", "4 a N I"):
         assert phrase in text
 
 
@@ -238,11 +238,28 @@ def test_kv_cache_is_exactly_the_kvcache_tensors(capsys, name):
     args = ModelArgs.from_hf_config(json.load(open(config(name))))
     B, P, R = 24, 300, 700
     cache = KVCache(args, B, P + R, "meta", torch.bfloat16)  # meta: the real shapes, no memory
-    actual = sum(t.numel() * t.element_size() for t in (cache.k, cache.v, cache.mask, cache.n_real))
+    actual = sum(t.numel() * t.element_size() for t in
+                 (cache.k, cache.v, cache.k_ring, cache.v_ring, cache.mask, cache.n_real, cache.slot))
     assert plan.kv_cache_bytes(args, B, P + R, kv_bytes=2) == actual
     result = run_json(capsys, "--policy", config(name), "--rollout-batch", "48", "--gpus", "2",
                       "--prompt-len", str(P), "--response-len", str(R))
     assert round(result["kv_cache_gb"] * 1e9) == actual  # 48 rollouts over 2 GPUs: 24 per GPU
+
+
+def test_kv_cache_of_sliding_window_layers_is_their_ring():
+    """OLMo 3 layout: 3 of every 4 layers slide over a window of 256, so they cache 256 slots, not P + R."""
+    cfg = {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+           "max_position_embeddings": 4096, "sliding_window": 256, "rms_norm_eps": 1e-6,
+           "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2}
+    args = ModelArgs.from_hf_config(cfg)
+    B, T = 4, 1000
+    cache = KVCache(args, B, T, "meta", torch.bfloat16)
+    actual = sum(t.numel() * t.element_size() for t in
+                 (cache.k, cache.v, cache.k_ring, cache.v_ring, cache.mask, cache.n_real, cache.slot))
+    hs = 256 // 4
+    by_hand = 2 * B * 2 * hs * 2 * (6 * 256 + 2 * T) + B * T + 8 * B + 8  # k, v x B x nkv x hs x bf16 x slots
+    assert plan.kv_cache_bytes(args, B, T, kv_bytes=2) == actual == by_hand
 
 
 # ---------------------------------------------------------------------------- activations: measured
