@@ -18,6 +18,8 @@ pip install -q -e ".[test]" --no-deps 2>&1 | tail -2
 
 # 1. GPU test tier (bf16 kernel paths; the CPU tier runs in CI)
 timeout 180 python3 -m pytest -q tests/test_kernels_logprobs.py tests/test_kernels_linear.py tests/test_kernels_loss.py 2>&1 | tee "$out/gpu_tests.txt" | tail -5
+# the static-cache decode step and its CUDA-graph capture (tokens equal eager decoding)
+timeout 120 python3 -m pytest -q tests/test_generate.py -k "cuda or static" 2>&1 | tee -a "$out/gpu_tests.txt" | tail -3
 
 # 2. the default job on CUDA with fused kernels: reward before/after, tokens/s per phase, peak memory
 timeout 180 python3 -m ppo_core.train --device=cuda --threads=0 --progress=false --out="$out/default-job" 2>&1 | tail -8 | tee "$out/default_job.txt"
