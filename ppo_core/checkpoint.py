@@ -313,11 +313,15 @@ def _load_into(model, path):
 
 def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generators: dict, sharded=False) -> dict:
     """Restore weights, optimizer moments and every RNG from a checkpoint; returns the trainer state.
-    sharded: FSDP models, restored from the checkpoint's sharded/ copy (collective)."""
+    sharded: FSDP models, restored from the checkpoint's sharded/ copy (collective). A checkpoint with a
+    sharded/ copy is read from it in any case, so an FSDP run resumes on any number of processes."""
+    # A sharded checkpoint also resumes on another number of processes (each tensor's chunks carry their
+    # offsets), a single process included, where the models are plain and read their whole tensors.
+    from_shards = sharded or os.path.isdir(os.path.join(path, SHARDED_DIR))
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
-        if sharded:
+        if from_shards:
             load_sharded(os.path.join(path, SHARDED_DIR), {"policy": (policy, policy_opt), "critic": (critic, critic_opt)})
         else:
             if lora.has_lora(policy):  # the base is the run's starting checkpoint, already loaded
@@ -333,7 +337,7 @@ def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generat
         raise
     except Exception as e:  # OSError, JSON errors, safetensors' own error for a truncated file
         raise CheckpointError(f"cannot load checkpoint {path}: {e}") from None
-    if not sharded:
+    if not from_shards:
         load_optimizer_tensors(policy_opt, opt_tensors, "policy")
         load_optimizer_tensors(critic_opt, opt_tensors, "critic")
     for name, g in generators.items():

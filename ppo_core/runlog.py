@@ -19,7 +19,7 @@ import sys
 import torch
 
 from . import checkpoint
-from .config import to_dict
+from .config import PPOConfig, to_dict
 
 
 class RunDirError(RuntimeError):
@@ -99,7 +99,8 @@ class RunDir:
         resolved["out"] = path
         cfg_file = os.path.join(path, "config.json")
         if os.path.isfile(cfg_file):
-            saved = cls.saved_config(path)
+            # a key the saved config lacks (a field added by a later version) holds its default there
+            saved = {**to_dict(PPOConfig()), **cls.saved_config(path)}
             differ = sorted(k for k in set(saved) | set(resolved)
                             if k not in IGNORED_FOR_IDENTITY and saved.get(k) != resolved.get(k))
             if differ:

@@ -3,6 +3,7 @@ as 1 process on the same global batch, with DDP (the default) and with FSDP2, an
 mid-rollout resumes identically (FSDP: from its sharded checkpoint)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -137,3 +138,18 @@ def test_fsdp_run_killed_mid_rollout_resumes_identically_from_shards(fsdp_run, t
         b = load_file(str(run_dir / "checkpoints" / "step-2" / sub))
         assert all(torch.equal(a[k], b[k]) for k in a), sub  # bitwise
     assert metrics(d / "fsdp") == metrics(run_dir)
+
+
+def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
+    """The shards carry their offsets: a 2-process FSDP checkpoint continues on 1 process (plain models)
+    and lands on the update of the uninterrupted runs (float32 sums in another order)."""
+    d, _ = fsdp_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(d / "fsdp", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-2")
+    (run_dir / "summary.json").unlink()
+    (run_dir / "checkpoints" / "latest").write_text("step-1\n")
+    resumed = launch([sys.executable, "-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(d / "fsdp", run_dir, step=2)
+    assert_same_run(d / "one", run_dir, step=2)

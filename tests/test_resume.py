@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import ppo_core.train as train
 from ppo_core.config import build_config
+from ppo_core.runlog import RunDir, RunDirError
 
 ARGS = ["--iterations=3", "--save_every=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=8",
         "--micro_batch_size=8", "--ppo_epochs=1", "--progress=false"]
@@ -158,3 +159,17 @@ def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch
     assert "iteration 2: non-finite loss or gradient, update 4 skipped" in err
     rows = metrics(tmp_path / "run")
     assert len(rows) == 1 and rows[0]["train/skipped_updates"] == 2
+
+
+def test_run_started_before_a_config_field_existed_is_still_the_same_run(tmp_path):
+    """A run directory written by a version without some config field (here lora_rank) resumes: the
+    missing key counts as its default. A real difference is still refused."""
+    cfg = build_config(overrides={"out": str(tmp_path / "run")})
+    RunDir.open(cfg, train.DEMO_CHECKPOINT)
+    cfg_file = tmp_path / "run" / "config.json"
+    saved = json.loads(cfg_file.read_text())
+    del saved["config"]["lora_rank"]
+    cfg_file.write_text(json.dumps(saved))
+    RunDir.open(cfg, train.DEMO_CHECKPOINT)  # the same run
+    with pytest.raises(RunDirError, match="config differs in: lora_rank"):
+        RunDir.open(build_config(overrides={"out": str(tmp_path / "run"), "lora_rank": "4"}), train.DEMO_CHECKPOINT)
