@@ -71,8 +71,8 @@ def test_two_processes_match_one_seq_mean(tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "two", step=1)
 
 
-def test_two_process_run_killed_mid_rollout_resumes_identically(token_mean_runs, tmp_path):
-    d, args = token_mean_runs
+def kill_mid_rollout_and_resume(args, tmp_path):
+    """A 2-process run SIGKILLed in its 2nd iteration's rollout, then resumed under torchrun -> its dir."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run_dir = tmp_path / "run"
@@ -82,9 +82,21 @@ def test_two_process_run_killed_mid_rollout_resumes_identically(token_mean_runs,
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-1"
     resumed = launch(TORCHRUN + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = weights(d / "two", 2), weights(run_dir, 2)
-    assert all((a[k] == b[k]).all() for k in a)  # bitwise: same processes, same order of operations
-    assert metrics(d / "two") == metrics(run_dir)
+    return run_dir
+
+
+def assert_bitwise_same_run(one, two, step):
+    """Same processes, same order of operations: the same bytes, policy and critic, and the same metrics."""
+    for sub in ("model.safetensors", "critic/model.safetensors"):
+        a = load_file(str(one / "checkpoints" / f"step-{step}" / sub))
+        b = load_file(str(two / "checkpoints" / f"step-{step}" / sub))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+    assert metrics(one) == metrics(two)
+
+
+def test_two_process_run_killed_mid_rollout_resumes_identically(token_mean_runs, tmp_path):
+    d, args = token_mean_runs
+    assert_bitwise_same_run(d / "two", kill_mid_rollout_and_resume(args, tmp_path), step=2)
 
 
 # ---------------------------------------------------------------------------- FSDP2 (parallel=fsdp)
@@ -125,19 +137,7 @@ def test_fsdp_checkpoint_is_sharded_per_process(fsdp_run):
 
 def test_fsdp_run_killed_mid_rollout_resumes_identically_from_shards(fsdp_run, tmp_path):
     d, args = fsdp_run
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    run_dir = tmp_path / "run"
-    killed = launch(TORCHRUN + [str(driver), "rollout", "4", *args, f"--out={run_dir}"], tmp_path)
-    assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-1"
-    resumed = launch(TORCHRUN + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for sub in ("model.safetensors", "critic/model.safetensors"):
-        a = load_file(str(d / "fsdp" / "checkpoints" / "step-2" / sub))
-        b = load_file(str(run_dir / "checkpoints" / "step-2" / sub))
-        assert all(torch.equal(a[k], b[k]) for k in a), sub  # bitwise
-    assert metrics(d / "fsdp") == metrics(run_dir)
+    assert_bitwise_same_run(d / "fsdp", kill_mid_rollout_and_resume(args, tmp_path), step=2)
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):

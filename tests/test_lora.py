@@ -22,6 +22,7 @@ from ppo_core.lora import (
     lora_state_dict, merge_lora, merged_state_dict, save_merged,
 )
 from ppo_core.model import CausalLM, Linear, ModelArgs, ScoreModel, can_pack_for_cpu, load_model, load_score_model
+from random_weights import randomize
 
 BASE = dict(vocab_size=131, hidden_size=60, intermediate_size=86, num_hidden_layers=2, num_attention_heads=6,
             num_key_value_heads=3, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -42,18 +43,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def randomize(model, seed=0):
-    """Unit-scale weights: matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.3^2), biases ~ N(0, 0.1^2)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + (0.3 if "norm" in name else 0.1) * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return model
 
 
 def tiny(name, cls=CausalLM, seed=0):

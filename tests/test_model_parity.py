@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
 import ppo_core  # noqa: E402
+from random_weights import randomize  # noqa: E402
 from ppo_core.model import (  # noqa: E402
     FAMILY_DEFAULTS, CheckpointError, KVCache, ModelArgs, count_parameters, load_model, load_reward_model,
     load_score_model, read_safetensors_header,
@@ -47,18 +48,6 @@ FAMILIES = {
                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
 }
 SEQ = 13  # longer than every sliding window above
-
-
-def randomize(model, seed=0):
-    """Unit-scale weights: matrices ~ N(0, 1/fan_in), norm weights and biases ~ 1 + N(0, 0.3^2) / N(0, 0.1^2)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + (0.3 if "norm" in name else 0.1) * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return model
 
 
 def hf_config(family, **overrides):
