@@ -21,6 +21,7 @@ import ppo_kernels.linear_logprobs as linear_module
 from ppo_kernels.linear_logprobs import (
     linear_token_logprobs_reference, linear_token_logprobs_torch, linear_token_logprobs_triton,
 )
+from test_kernels_logprobs import truth64 as logits_truth64  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf/nan warnings in the interpreter
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,12 +32,8 @@ EPS = 1e-5
 
 
 def truth64(hidden, weight, labels, temperature):
-    logp_all = torch.log_softmax((hidden.double() @ weight.double().T) / temperature, dim=-1)  # [N, V]
-    ignored = labels == -100
-    logprobs = logp_all.gather(-1, labels.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0)
-    probs = logp_all.exp()
-    entropy = -(probs * logp_all.masked_fill(probs == 0, 0.0)).sum(-1).masked_fill(ignored, 0)
-    return logprobs, entropy
+    """float64 log-probs and entropy of the float64 logits hidden @ weight.T: the ground truth."""
+    return logits_truth64(hidden.double() @ weight.double().T, labels, temperature)  # [N, V] logits
 
 
 def max_err(actual, expected):
