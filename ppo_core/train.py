@@ -133,15 +133,15 @@ def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
     return ids, mask
 
 
-def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, prompt_ids=None):
+def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, encoded=None):
     """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
     response_mask [B, R], decoded responses, ended_with_eos [B]).
 
     rows = (offset, global_batch): these prompts are rows offset.. of a batch of global_batch spread
     over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
-    whatever the number of processes."""
+    whatever the number of processes. encoded: the prompts' token ids, when the caller has them already."""
     device = next(policy.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompt_ids or prompts, device, pad_to, cfg)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded or prompts, device, pad_to, cfg)
     eos = tokenizer.eos_token_id
     with dist.gathered(policy):  # FSDP: full weights for the whole call, no collective per decoding step
         tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
@@ -162,7 +162,7 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
                     pad_to, rows, encoded):
     policy.eval()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(
-        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, prompt_ids=encoded)
+        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded)
     input_ids = torch.cat([prompt_ids, tokens], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask.bool()], dim=1)
     P = prompt_ids.shape[1]

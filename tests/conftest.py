@@ -9,11 +9,9 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread(request):
-    """Kernel tests: tiny ops on 2 shared cores are far faster single-threaded (no OpenMP wake-ups)."""
-    if not request.module.__name__.startswith("test_kernels"):
-        yield
-        return
+def one_thread():
+    """Every test runs single-threaded: its models and kernels are tiny, and on 2 shared cores a second
+    thread only adds OpenMP synchronisation (the default job runs with threads=1 as well)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

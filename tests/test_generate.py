@@ -30,14 +30,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only adds synchronisation
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(name, seed=0):
     torch.manual_seed(seed)
     model = CausalLM(ModelArgs.from_hf_config({**BASE, **CONFIGS[name]})).eval()

@@ -36,15 +36,6 @@ REAL_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "mo
 RANK, ALPHA = 4, 8.0  # scale s = alpha / rank = 2, so a missing or doubled scale shows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second thread only adds synchronisation, badly so on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(name, cls=CausalLM, seed=0):
     return randomize(cls(ModelArgs.from_hf_config(dict(CONFIGS[name]))), seed).eval()
 

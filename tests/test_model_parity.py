@@ -55,15 +55,6 @@ def hf_config(family, **overrides):
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second thread only adds synchronisation, badly so on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def write_hf(path, family, cls=AutoModelForCausalLM, seed=0, **overrides):
     torch.manual_seed(seed)
     model = randomize(cls.from_config(hf_config(family, **overrides)).eval(), seed)
