@@ -16,16 +16,36 @@ avoided. (linear_policy_loss in loss.py knows its gradient in the forward and ge
 
 Three implementations with one signature, in this file:
   - `linear_token_logprobs_reference`: hidden @ weight.T then `token_logprobs_reference` (full logits).
-  - Triton (`_linear_fwd_kernel`, `_linear_dz_kernel`): the forward is one fused kernel (tl.dot tiles folded in
-    registers, as in Cut Cross-Entropy, arXiv:2411.09009); the backward writes dz for one block of V at a time
-    into a bounded workspace and hands it to two cuBLAS matmuls (deterministic, unlike atomics).
+  - Triton (`_linear_fwd_kernel` + `_linear_fwd_combine_kernel`, `_linear_dz_kernel`): the forward is one fused
+    kernel (tl.dot tiles folded in registers, as in Cut Cross-Entropy, arXiv:2411.09009) over (row block,
+    vocabulary split) programs, then a small merge; the backward writes dz for one block of V at a time into a
+    bounded workspace and hands it to two cuBLAS matmuls (`_mm_fp32`; deterministic, unlike atomics).
   - the chunked torch path (`_fwd_torch`, `_bwd_torch`): the same tiling with torch.mm; what CPU tensors run.
 
-Rows whose label is -100 are dropped before any matmul (they give log-prob 0, entropy 0, zero gradient).
+The Triton forward is split over the vocabulary as well as the rows, so that a few thousand kept tokens still
+fill a GPU: program (i, j) folds rows block i against vocabulary split j into partial statistics (m, s, a,
+label_z), written to [SPLIT_V, N] fp32 buffers, and `_linear_fwd_combine_kernel` merges the splits in a fixed
+order (0, 1, ..., SPLIT_V - 1; no atomics, so the result is deterministic):
+
+    M = max_j m_j,   s = sum_j exp(m_j - M) s_j,   a = sum_j exp(m_j - M) (a_j + (m_j - M) s_j)
+
+SPLIT_V is chosen from N and the GPU's SM count (`_split_plan`); SPLIT_V = 1 gives exactly the unsplit fold.
+
+Rows whose label is -100 are dropped before any matmul (they give log-prob 0, entropy 0, zero gradient); any
+other label outside [0, V) is a ValueError (one host sync per call).
+
+Dtypes: under autocast (the trainer's fp32 master weights + bf16 autocast), fp32 hidden and weight are cast to
+the autocast dtype *before* the autograd Function, so the kernels take their bf16 tensor-core path and autograd
+carries the gradient back to the fp32 tensors; everything inside then runs with autocast disabled, at the
+dtypes chosen here. A weight of another dtype than hidden is cast to hidden's; the last dims are made contiguous.
 """
+import functools
+
 import torch
 
-from .logprobs import IGNORE_INDEX, _backend, _compute_dtype, _interpreting, token_logprobs_reference
+from .logprobs import (
+    IGNORE_INDEX, _autocast_off, _backend, _check_labels, _compute_dtype, _interpreting, token_logprobs_reference,
+)
 
 try:
     import triton
@@ -38,10 +58,18 @@ except ImportError:
 TORCH_TILE_ELEMENTS = 1 << 23
 # Elements in the backward's dz workspace on the Triton path (bf16: 128 MiB).
 TRITON_TILE_ELEMENTS = 1 << 26
+# The Triton forward's vocabulary splits: enough (row block, split) programs for FWD_PROGRAMS_PER_SM per SM,
+# each split at least FWD_MIN_SPLIT_COLS wide (its partial statistics cost a few stores and a combine).
+# FWD_SPLIT_V forces the split count (tests; None: chosen by _split_plan).
+FWD_PROGRAMS_PER_SM = 2
+FWD_MIN_SPLIT_COLS = 2048
+FWD_SPLIT_V = None
+INTERPRETER_SM_COUNT = 1  # the interpreter has no SMs: 1 still gives 2 splits when one row block is all of N
 
 
 def linear_token_logprobs_reference(hidden, weight, labels, *, temperature=1.0, return_entropy=False):
     """token_logprobs_reference(hidden @ weight.T): materialises the [N, V] logits in the input dtype."""
+    _check_labels(labels, weight.shape[0])
     logits = hidden @ weight.T  # [N, V]
     return token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=return_entropy)
 
@@ -66,7 +94,8 @@ if triton is not None:
     def _logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, rows, cols, N, V, H,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-        # [BLOCK_N, BLOCK_V] = hidden[rows] @ weight[cols].T, accumulated in fp32
+        # [BLOCK_N, BLOCK_V] = hidden[rows] @ weight[cols].T, accumulated in fp32. The callers advance h_ptr and
+        # w_ptr to their block (int64) and pass local rows / cols (int32) with N / V the valid counts from there.
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_H):
             ks = k0 + tl.arange(0, BLOCK_H)
@@ -84,24 +113,38 @@ if triton is not None:
     def _linear_fwd_kernel(
         h_ptr, stride_hn, stride_hh,  # hidden [N, H]
         w_ptr, stride_wv, stride_wh,  # weight [V, H]
-        labels_ptr,  # [N] int, all valid (ignored rows were dropped by the wrapper)
-        logprobs_ptr, entropy_ptr, lse_ptr,  # [N] fp32 out
-        N, V, H, temperature,
+        labels_ptr,  # [N] int in [0, V) (ignored rows were dropped by the wrapper, others checked)
+        part_m_ptr, part_s_ptr, part_a_ptr, part_label_ptr,  # [SPLIT_V, N] fp32 out: this split's statistics
+        N, V, H, cols_per_split, temperature,
         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        # One program per block of rows; it walks the whole vocabulary, one [BLOCK_N, BLOCK_V] tile at a time.
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        labels = tl.load(labels_ptr + rows, mask=rows < N, other=0).to(tl.int64)
+        # Program (i, j): rows block i against vocabulary columns [j * cols_per_split, (j + 1) * cols_per_split),
+        # one [BLOCK_N, BLOCK_V] tile at a time. Offsets: the row block's and the split's base offsets are int64
+        # (row0 * stride_hn, v_start * stride_wv: N * H and V * H may pass 2^31); offsets from those bases are
+        # int32: rows * stride_hn < BLOCK_N * stride_hn, and cols * stride_wv < (cols_per_split + BLOCK_V) *
+        # stride_wv, which _split_plan keeps below 2^31. (int32 there, rather than a 64-bit pointer carried
+        # through the loop, keeps the bf16 variant at 186 registers on sm_90a instead of 255: ptxas -v.)
+        row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+        split = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_N)  # local to the row block
+        n_rows = N - row0
+        h_block = h_ptr + row0 * stride_hn
+        v_start = split * cols_per_split  # int32: < V
+        n_cols = tl.minimum(cols_per_split, V - v_start)  # this split's columns
+        w_split = w_ptr + v_start.to(tl.int64) * stride_wv
+        labels = tl.load(labels_ptr + row0 + rows, mask=rows < n_rows, other=-1).to(tl.int32) - v_start
         m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)  # running max of z
         s = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m)
         a = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m) * (z - m)
-        label_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            z = _logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, rows, cols, N, V, H,
-                             UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H) / temperature
-            z = tl.where(cols[None, :] < V, z, float("-inf"))
+        label_z = tl.zeros((BLOCK_N,), dtype=tl.float32)  # z[label] if the label is in this split, else 0
+        for v0 in range(0, n_cols, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)  # local to the split
+            # `/` compiles to div.full.f32 (<= 2 ulp), not the exact division of logprobs.py: z's fp32 dot
+            # already rounds differently from torch's matmul, and the backward's recompute divides the same way.
+            z = _logits_tile(h_block, stride_hn, stride_hh, w_split, stride_wv, stride_wh, rows, cols, n_rows,
+                             n_cols, H, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H) / temperature
+            z = tl.where(cols[None, :] < n_cols, z, float("-inf"))
             label_z += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
             m_new = tl.maximum(m, tl.max(z, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
@@ -111,10 +154,48 @@ if triton is not None:
             a += tl.sum(tl.where(e > 0, e * (z - m_ref[:, None]), 0.0), axis=1)
             s = rescale * s + tl.sum(e, axis=1)
             m = m_new
+        out = split.to(tl.int64) * N + row0 + rows  # [SPLIT_V, N] row-major
+        tl.store(part_m_ptr + out, m, mask=rows < n_rows)
+        tl.store(part_s_ptr + out, s, mask=rows < n_rows)
+        tl.store(part_a_ptr + out, a, mask=rows < n_rows)
+        tl.store(part_label_ptr + out, label_z, mask=rows < n_rows)
+
+    @triton.jit
+    def _linear_fwd_combine_kernel(
+        part_m_ptr, part_s_ptr, part_a_ptr, part_label_ptr,  # [SPLIT_V, N] fp32, from _linear_fwd_kernel
+        logprobs_ptr, entropy_ptr, lse_ptr,  # [N] fp32 out
+        N, SPLIT_V,
+        BLOCK: tl.constexpr,
+    ):
+        # Merge the splits of each row in the fixed order 0..SPLIT_V-1 (deterministic). With SPLIT_V = 1 every
+        # step below is exact (M = m, exp(0) = 1, + 0), so the result is the unsplit fold's, bit for bit.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: split * N + row below
+        mask = rows < N
+        M = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+        offs = rows  # split j's entry for these rows: j * N + rows, advanced in int64
+        for _ in range(0, SPLIT_V):
+            M = tl.maximum(M, tl.load(part_m_ptr + offs, mask=mask, other=float("-inf")))
+            offs += N
+        M_ref = tl.where(M == float("-inf"), 0.0, M)  # no -inf - -inf
+        s = tl.zeros((BLOCK,), dtype=tl.float32)
+        a = tl.zeros((BLOCK,), dtype=tl.float32)
+        label_z = tl.zeros((BLOCK,), dtype=tl.float32)
+        offs = rows
+        for _ in range(0, SPLIT_V):
+            m_j = tl.load(part_m_ptr + offs, mask=mask, other=float("-inf"))
+            s_j = tl.load(part_s_ptr + offs, mask=mask, other=0.0)
+            a_j = tl.load(part_a_ptr + offs, mask=mask, other=0.0)
+            rescale = tl.exp(m_j - M_ref)
+            # a_j is relative to m_j: moving it to M shifts every (z - m_j) by (m_j - M)
+            a += rescale * (a_j + tl.where(s_j > 0, (m_j - M_ref) * s_j, 0.0))
+            s += rescale * s_j
+            label_z += tl.load(part_label_ptr + offs, mask=mask, other=0.0)  # one split holds the label
+            offs += N
         log_s = tl.log(s)
-        tl.store(logprobs_ptr + rows, (label_z - m) - log_s, mask=rows < N)
-        tl.store(entropy_ptr + rows, log_s - a / s, mask=rows < N)
-        tl.store(lse_ptr + rows, m + log_s, mask=rows < N)
+        # logprob = (z_label - M) - log s;  entropy = log s - a / s;  logsumexp = M + log s
+        tl.store(logprobs_ptr + rows, (label_z - M) - log_s, mask=mask)
+        tl.store(entropy_ptr + rows, log_s - a / s, mask=mask)
+        tl.store(lse_ptr + rows, M + log_s, mask=mask)
 
     @triton.jit
     def _linear_dz_kernel(
@@ -127,27 +208,54 @@ if triton is not None:
         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        # Recompute one [BLOCK_N, BLOCK_V] tile of z and write dloss/dz for it.
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-        z = _logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, rows, cols, N, V, H,
+        # Recompute one [BLOCK_N, BLOCK_V] tile of z and write dloss/dz for it. Offsets: the tile's base offsets
+        # are int64 pointer advances (row0 * stride_hn, col0 * stride_wv, row0 * stride_dn); inside the tile
+        # they are int32 (rows, cols local, < BLOCK).
+        row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+        col0 = tl.program_id(1) * BLOCK_V  # int32: < V
+        rows = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_V)
+        n_rows = N - row0
+        z = _logits_tile(h_ptr + row0 * stride_hn, stride_hn, stride_hh, w_ptr + col0.to(tl.int64) * stride_wv,
+                         stride_wv, stride_wh, rows, cols, n_rows, V - col0, H,
                          UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H) / temperature
-        row_mask = rows < N
-        logp = z - tl.load(lse_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        row_mask = rows < n_rows
+        logp = z - tl.load(lse_ptr + row0 + rows, mask=row_mask, other=0.0)[:, None]
         p = tl.exp(logp)
         dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         if HAS_GRAD_LOGPROBS:
             # d logp_label / dz_v = 1[v = label] - p_v
-            g = tl.load(grad_logprobs_ptr + rows, mask=row_mask, other=0.0)[:, None]
-            labels = tl.load(labels_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-            dz += g * (tl.where(cols[None, :] + v0 == labels[:, None], 1.0, 0.0) - p)
+            g = tl.load(grad_logprobs_ptr + row0 + rows, mask=row_mask, other=0.0)[:, None]
+            labels = tl.load(labels_ptr + row0 + rows, mask=row_mask, other=-1).to(tl.int32)
+            dz += g * (tl.where(cols[None, :] == (labels - v0 - col0)[:, None], 1.0, 0.0) - p)
         if HAS_GRAD_ENTROPY:
             # d H / dz_v = -p_v (log p_v + H)
-            g = tl.load(grad_entropy_ptr + rows, mask=row_mask, other=0.0)[:, None]
-            ent = tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            g = tl.load(grad_entropy_ptr + row0 + rows, mask=row_mask, other=0.0)[:, None]
+            ent = tl.load(entropy_ptr + row0 + rows, mask=row_mask, other=0.0)[:, None]
             dz -= g * tl.where(p > 0, p * (logp + ent), 0.0)
-        tl.store(dz_ptr + rows[:, None] * stride_dn + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (cols[None, :] < V))
+        tl.store(dz_ptr + row0 * stride_dn + col0 + rows[:, None] * stride_dn + cols[None, :],
+                 dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < V - col0))
+
+
+def _autocast_operands(hidden, weight):
+    """hidden and weight at the dtype the head computes in, cast before the autograd Function so that autograd
+    carries each gradient back to the caller's tensor in its own dtype.
+
+    Under autocast an fp32 operand is cast to the autocast dtype, as autocast casts a matmul's (fp32 master
+    weights would otherwise select the exact-fp32 kernels, on CUDA cores); then a weight of another dtype than
+    hidden is cast to hidden's (tl.dot takes one dtype); the last dims are made contiguous (the kernels' fast
+    variant assumes unit inner strides).
+    """
+    device_type = hidden.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        hidden = hidden.to(autocast_dtype) if hidden.dtype == torch.float32 else hidden
+        weight = weight.to(autocast_dtype) if weight.dtype == torch.float32 else weight
+    if weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return hidden, weight
 
 
 def _triton_options(dtype):
@@ -164,15 +272,110 @@ def _triton_options(dtype):
     )
 
 
-def _mm_fp32(a, b, out, accumulate=False):
-    """out (+)= a @ b into an fp32 `out`, without first rounding the product to the inputs' dtype."""
+# ----------------------------------------------------------------------------------------------------------------
+# out (+)= a @ b in fp32 for the Triton backward's two cuBLAS matmuls
+# ----------------------------------------------------------------------------------------------------------------
+# The ways to compute an fp32 product of bf16/fp16 operands, best first. torch's fp32-output GEMMs (the
+# `out_dtype=` overloads, torch >= 2.8, CUDA) accumulate and write fp32 without rounding the product to bf16;
+# which of them a given torch build accepts is found by trying (`_probe_mm_fp32`). "rounded" (Liger's legacy
+# path) always works, at the cost of one bf16 rounding of each product. "upcast" (fp32 copies of the operands,
+# an fp32 GEMM) is exact and what fp32 operands, and every device but CUDA, use.
+MM_FP32_KINDS = ("addmm_out_dtype", "mm_out_dtype", "rounded")
+_MM_FP32_PATHS = {}  # (device, dtype) -> the kind chosen, filled on first use; see mm_fp32_path
+
+
+def _mm_fp32_impl(kind, a, b, out, accumulate):
+    """out (+)= a @ b computed the way `kind` names (see MM_FP32_KINDS); out is fp32 [M, N], a [M, K], b [K, N]."""
     beta = 1.0 if accumulate else 0.0  # beta = 0: `out` is not read, so its old contents (even NaN) do not matter
-    if a.dtype in (torch.float16, torch.bfloat16) and a.is_cuda:
+    if kind == "addmm_out_dtype":
         return torch.addmm(out, a, b, beta=beta, out_dtype=torch.float32, out=out)
-    return torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)
+    if kind == "upcast":
+        return torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)
+    if kind == "mm_out_dtype":
+        product = torch.mm(a, b, out_dtype=torch.float32)  # [M, N] fp32
+    elif kind == "rounded":
+        product = torch.mm(a, b).float()  # [M, N], rounded to a's dtype first
+    else:
+        raise ValueError(f"unknown _mm_fp32 kind {kind!r}")
+    return out.add_(product) if accumulate else out.copy_(product)
 
 
-def _fwd_triton(hidden, weight, labels, temperature):
+def _probe_mm_fp32(device, dtype, kinds=MM_FP32_KINDS):
+    """The first of `kinds` that runs on (device, dtype) and gives a 16x16 product to within its rounding.
+
+    Each kind gets two tries: beta = 0 into a NaN-filled out (must not read it), and accumulate onto ones.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(16, 16, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(16, 16, generator=gen).to(device=device, dtype=dtype)
+    exact = a.double() @ b.double()  # [16, 16]; the products of bf16/fp16 values are exact in fp32
+    bound = 2.0 ** -7 * (a.double().abs() @ b.double().abs()) + 1e-6  # loose: one bf16/fp16 rounding passes
+    for kind in kinds:
+        try:
+            fresh = _mm_fp32_impl(kind, a, b, torch.full((16, 16), float("nan"), device=device), False)
+            summed = _mm_fp32_impl(kind, a, b, torch.ones(16, 16, device=device), True)
+        except (RuntimeError, TypeError, NotImplementedError):  # an overload this torch build lacks
+            continue
+        if ((fresh.double() - exact).abs() <= bound).all() and ((summed.double() - 1 - exact).abs() <= bound).all():
+            return kind
+    raise RuntimeError(f"no fp32-output matmul works for {dtype} on {device} (tried {kinds})")
+
+
+def mm_fp32_path(device, dtype):
+    """How _mm_fp32 computes for operands of `dtype` on `device` ("upcast" or one of MM_FP32_KINDS).
+
+    bf16/fp16 operands on CUDA are probed once per (device, dtype) and the answer cached; bench scripts print it.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype not in (torch.float16, torch.bfloat16) or device.type != "cuda":
+        return "upcast"
+    key = (str(device), dtype)
+    if key not in _MM_FP32_PATHS:
+        _MM_FP32_PATHS[key] = _probe_mm_fp32(device, dtype)
+    return _MM_FP32_PATHS[key]
+
+
+def _mm_fp32(a, b, out, accumulate=False):
+    """out (+)= a @ b into an fp32 `out`, without first rounding the product to the inputs' dtype where torch
+    allows it (see MM_FP32_KINDS; the path taken is `mm_fp32_path(a.device, a.dtype)`)."""
+    with _autocast_off(a.device.type):
+        return _mm_fp32_impl(mm_fp32_path(a.device, a.dtype), a, b, out, accumulate)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton forward and backward
+# ----------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    if _interpreting() or device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_plan(n_rows, V, weight_row_stride, block_n, block_v, sm_count, split_v=None):
+    """(SPLIT_V, columns per split) of the Triton forward's grid (cdiv(n_rows, block_n), SPLIT_V).
+
+    Enough splits for FWD_PROGRAMS_PER_SM programs per SM, none narrower than FWD_MIN_SPLIT_COLS (unless V is),
+    unless `split_v` forces a count; and always enough that a split's int32 weight offsets, (columns per split +
+    block_v) * weight_row_stride, stay below 2^31 (see _linear_fwd_kernel). Columns per split are a multiple of
+    block_v (no ragged tile inside V), so the count used may differ from the one asked for: it is
+    cdiv(V, columns per split), and no split is empty.
+    """
+    row_blocks = -(-n_rows // block_n)
+    if split_v is None:
+        wanted = -(-FWD_PROGRAMS_PER_SM * sm_count // row_blocks)
+        split_v = min(wanted, max(1, V // FWD_MIN_SPLIT_COLS))
+    max_cols = ((2**31 - 1) // max(weight_row_stride, 1) - block_v) // block_v * block_v
+    split_v = max(1, -(-V // max_cols), min(int(split_v), -(-V // block_v)))
+    cols_per_split = -(-(-(-V // split_v)) // block_v) * block_v
+    return -(-V // cols_per_split), cols_per_split
+
+
+def _fwd_triton(hidden, weight, labels, temperature, split_v=None):
+    # hidden [N, H], weight [V, H], labels [N] all in [0, V). Returns logprobs, entropy, lse: [N] fp32.
+    # split_v forces the number of vocabulary splits (else FWD_SPLIT_V, else _split_plan's choice).
     N, H = hidden.shape
     V = weight.shape[0]
     logprobs = torch.empty(N, device=hidden.device, dtype=torch.float32)
@@ -181,14 +384,31 @@ def _fwd_triton(hidden, weight, labels, temperature):
     if N == 0:
         return logprobs, entropy, lse
     opts = _triton_options(hidden.dtype)
-    _linear_fwd_kernel[(triton.cdiv(N, opts["BLOCK_N"]),)](
+    split_v, cols_per_split = _split_plan(N, V, weight.stride(0), opts["BLOCK_N"], opts["BLOCK_V"],
+                                          _sm_count(hidden.device), split_v if split_v is not None else FWD_SPLIT_V)
+    partials = torch.empty((4, split_v, N), device=hidden.device, dtype=torch.float32)  # m, s, a, label_z
+    _linear_fwd_kernel[(triton.cdiv(N, opts["BLOCK_N"]), split_v)](
         hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),
-        labels, logprobs, entropy, lse, N, V, H, temperature, **opts,
+        labels, partials[0], partials[1], partials[2], partials[3], N, V, H, cols_per_split, temperature, **opts,
+    )
+    block = 1024 if _interpreting() else 256
+    _linear_fwd_combine_kernel[(triton.cdiv(N, block),)](
+        partials[0], partials[1], partials[2], partials[3], logprobs, entropy, lse, N, split_v,
+        BLOCK=block, num_warps=4,
     )
     return logprobs, entropy, lse
 
 
 def _bwd_triton(hidden, weight, labels, temperature, lse, entropy, grad_logprobs, grad_entropy, need_dh, need_dw):
+    # hidden [N, H], weight [V, H] one dtype; labels, lse, entropy, grad_* [N]. Returns dhidden [N, H] fp32, dweight.
+    # Autocast off: it would recast dh's fp32 matmul below to bf16 (the fp64 accumulation then sums bf16 products).
+    with _autocast_off(hidden.device.type):
+        return _bwd_triton_tiles(hidden, weight, labels, temperature, lse, entropy, grad_logprobs, grad_entropy,
+                                 need_dh, need_dw)
+
+
+def _bwd_triton_tiles(hidden, weight, labels, temperature, lse, entropy, grad_logprobs, grad_entropy, need_dh,
+                      need_dw):
     N, H = hidden.shape
     V = weight.shape[0]
     opts = _triton_options(hidden.dtype)
@@ -372,10 +592,17 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             entropy = torch.zeros(N, device=hidden.device, dtype=acc).index_copy_(0, keep, ent_kept.to(acc))
         ctx.save_for_backward(hidden, weight, labels_kept, keep, lse_kept, ent_kept)
         ctx.temperature, ctx.backend, ctx.all_valid, ctx.need_entropy = temperature, backend, all_valid, need_entropy
+        ctx.device_type = hidden.device.type
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
+        # backward() may run under autocast (the forward's state does not carry over): every op at its own dtype
+        with _autocast_off(ctx.device_type):
+            return _LinearTokenLogprobs._backward(ctx, grad_logprobs, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels_kept, keep, lse_kept, ent_kept = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not ctx.need_entropy:
@@ -406,10 +633,13 @@ def _linear_token_logprobs(hidden, weight, labels, temperature, return_entropy, 
         raise ValueError(f"labels shape {tuple(labels.shape)} must be hidden shape without H {tuple(hidden.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1).contiguous()
-    logprobs, entropy = _LinearTokenLogprobs.apply(flat_hidden, weight, flat_labels, float(temperature), backend,
-                                                   return_entropy)
+    _check_labels(labels, weight.shape[0])
+    hidden, weight = _autocast_operands(hidden, weight)  # [..., H], [V, H]: one dtype, unit inner strides
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    flat_labels = labels.reshape(-1).contiguous()  # [N]
+    with _autocast_off(hidden.device.type):  # the Function's ops run at the dtypes chosen above
+        logprobs, entropy = _LinearTokenLogprobs.apply(flat_hidden, weight, flat_labels, float(temperature),
+                                                       backend, return_entropy)
     if not return_entropy:
         return logprobs.view(labels.shape)
     return logprobs.view(labels.shape), entropy.view(labels.shape)
@@ -429,8 +659,10 @@ def linear_token_logprobs(hidden, weight, labels, *, temperature=1.0, return_ent
     """log p(label) under softmax(hidden @ weight.T / temperature) (+ entropy), without the [N, V] logits.
 
     hidden: [N, H] (or [..., H]) any float dtype; weight: [V, H] the LM head; labels: [N] (or [...]) int,
-    IGNORE_INDEX (-100) rows give 0 and no gradient. Returns logprobs [N] float32, or (logprobs, entropy)
-    with return_entropy=True; differentiable w.r.t. hidden and weight. CUDA tensors run Triton, others the
+    IGNORE_INDEX (-100) rows give 0 and no gradient, any other label outside [0, V) raises ValueError.
+    Returns logprobs [N] float32, or (logprobs, entropy) with return_entropy=True; differentiable w.r.t. hidden
+    and weight. Under autocast, fp32 hidden / weight compute at the autocast dtype (gradients still reach them
+    in fp32); a weight of another dtype than hidden is cast to hidden's. CUDA tensors run Triton, others the
     chunked torch path; PPO_KERNELS_BACKEND=triton|torch forces one.
     """
     return _linear_token_logprobs(hidden, weight, labels, temperature, return_entropy, _backend(hidden.device))

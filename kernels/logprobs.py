@@ -16,9 +16,15 @@ Three implementations with one signature, in this file:
 `PPO_KERNELS_BACKEND=triton|torch` forces one (Triton on CPU tensors needs `TRITON_INTERPRET=1` set before
 import; that is how the tests run the kernels without a GPU).
 
-Rows whose label is IGNORE_INDEX (-100) give log-prob 0, entropy 0 and a zero gradient.
+Rows whose label is IGNORE_INDEX (-100) give log-prob 0, entropy 0 and a zero gradient; any other label outside
+[0, V) is a ValueError (one host sync per call, `_check_labels`), on every backend.
+Autocast: the logits keep the dtype they arrive in, and everything inside runs with autocast disabled, so the
+internal ops run at the dtypes chosen here (fp32 statistics), not at the autocast dtype.
+Offsets: a row's base offset is formed in int64 (`row` is int64), so N * V >= 2^31 is safe; inner column
+offsets stay int32 (< V). Division by the temperature is IEEE round-to-nearest (`_div_exact`), as in torch.
 Results are float32 (float64 for float64 logits on the torch path, so `gradcheck` can check the math).
 """
+import contextlib
 import os
 
 import torch
@@ -38,12 +44,26 @@ TORCH_CHUNK_ELEMENTS = 1 << 23
 LOGP_FLOOR = -1e4
 
 
+def _check_labels(labels, V):
+    """ValueError naming the first label outside [0, V) that is not IGNORE_INDEX. One host sync.
+
+    Without it a Triton kernel would read another row (or fault) for such a label, and the fused linear
+    kernels would silently return -logsumexp.
+    """
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        raise ValueError(f"label {labels[bad][0].item()} is outside [0, V) with V={V} (vocabulary size); "
+                         f"only IGNORE_INDEX ({IGNORE_INDEX}) may lie outside")
+
+
 def token_logprobs_reference(logits, labels, *, temperature=1.0, return_entropy=False):
     """log p(label) under softmax(logits / temperature), in float32.
 
-    logits: [..., V] any float dtype; labels: [...] int64, IGNORE_INDEX (-100) rows give 0.
+    logits: [..., V] any float dtype; labels: [...] int64, IGNORE_INDEX (-100) rows give 0, any other label
+    outside [0, V) raises ValueError.
     Returns logprobs [...] float32, or (logprobs, entropy) with return_entropy=True.
     """
+    _check_labels(labels, logits.shape[-1])
     logits = logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)  # [..., V]
     ignored = labels == IGNORE_INDEX
@@ -64,6 +84,16 @@ def token_logprobs_reference(logits, labels, *, temperature=1.0, return_entropy=
 # ----------------------------------------------------------------------------------------------------------------
 if triton is not None:
 
+    if hasattr(tl.math, "div_rn"):  # Triton >= 3.0; `/` compiles to div.full.f32 (<= 2 ulp) on NVIDIA GPUs
+        @triton.jit
+        def _div_exact(x, y):
+            # x / y rounded to nearest, as torch divides: the kernels then round exactly as the reference does
+            return tl.math.div_rn(x, y)
+    else:
+        @triton.jit
+        def _div_exact(x, y):
+            return x / y
+
     @triton.jit
     def _token_logprobs_fwd_kernel(
         logits_ptr,  # [N, V] as rows (row // rows_per_outer) * stride_outer + (row % rows_per_outer) * stride_inner
@@ -78,7 +108,8 @@ if triton is not None:
         temperature,
         BLOCK_V: tl.constexpr,
     ):
-        # One program per row; one pass over the row's logits.
+        # One program per row; one pass over the row's logits. int64: row, the row's base offset (row * stride
+        # reaches 2^31 once N * V does); int32: cols (< V).
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + (row // rows_per_outer) * stride_outer + (row % rows_per_outer) * stride_inner
         label = tl.load(labels_ptr + row).to(tl.int64)
@@ -94,7 +125,8 @@ if triton is not None:
         a = 0.0
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            z = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) / temperature
+            z = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            z = _div_exact(z, temperature)
             m_new = tl.maximum(m, tl.max(z, axis=0))
             # While every logit seen is -inf, shift by 0 instead of -inf so that no -inf - -inf appears.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -109,7 +141,8 @@ if triton is not None:
         log_s = tl.log(s)
         lse = m + log_s
         entropy = log_s - a / s
-        label_logit = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32) / temperature
+        label_logit = _div_exact(tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32),
+                                 temperature)
         # (z - m) - log s rounds less than z - (m + log s): z - m is exact when z is near the max
         tl.store(logprobs_ptr + row, tl.where(valid, (label_logit - m) - log_s, 0.0))
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
@@ -134,14 +167,16 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
     ):
         # One program per (row, block of V): read the logits block once, write its gradient once.
+        # int64: row and the row offsets (row * stride, row * V); int32: cols (< V + BLOCK_V).
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         row_ptr = logits_ptr + (row // rows_per_outer) * stride_outer + (row % rows_per_outer) * stride_inner
         label = tl.load(labels_ptr + row).to(tl.int64)
         valid = label != -100
         # ignored rows read nothing
-        z = tl.load(row_ptr + cols, mask=cols < tl.where(valid, V, 0), other=0.0).to(tl.float32) / temperature
+        z = tl.load(row_ptr + cols, mask=cols < tl.where(valid, V, 0), other=0.0).to(tl.float32)
+        z = _div_exact(z, temperature)
         logp = z - tl.load(lse_ptr + row)
         p = tl.exp(logp)
         dz = tl.zeros((BLOCK_V,), dtype=tl.float32)
@@ -154,7 +189,7 @@ if triton is not None:
             g = tl.load(grad_entropy_ptr + row)
             dz -= g * tl.where(p > 0, p * (logp + tl.load(entropy_ptr + row)), 0.0)
         # dz/dlogits = 1 / temperature
-        dlogits = tl.where(valid, dz / temperature, 0.0)
+        dlogits = tl.where(valid, _div_exact(dz, temperature), 0.0)
         tl.store(dlogits_ptr + row * V + cols, dlogits.to(dlogits_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -328,6 +363,13 @@ def _backend(device):
     return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
+def _autocast_off(device_type):
+    """Autocast disabled on device_type (a no-op context where autocast does not exist for it)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, backend, need_entropy):
@@ -352,10 +394,12 @@ class _TokenLogprobs(torch.autograd.Function):
             return None, None, None, None, None
         grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-        if ctx.backend == "triton":
-            dlogits = _bwd_triton(logits, labels, ctx.temperature, lse, entropy, grad_logprobs, grad_entropy)
-        else:
-            dlogits = _bwd_torch(logits, labels, ctx.temperature, lse, entropy, grad_logprobs, grad_entropy)
+        # backward() may be called under autocast (the forward's autocast state does not carry over): disable it
+        with _autocast_off(logits.device.type):
+            if ctx.backend == "triton":
+                dlogits = _bwd_triton(logits, labels, ctx.temperature, lse, entropy, grad_logprobs, grad_entropy)
+            else:
+                dlogits = _bwd_torch(logits, labels, ctx.temperature, lse, entropy, grad_logprobs, grad_entropy)
         return dlogits.view(logits.shape), None, None, None, None
 
 
@@ -364,10 +408,12 @@ def _token_logprobs(logits, labels, temperature, return_entropy, backend):
         raise ValueError(f"labels shape {tuple(labels.shape)} must be logits shape without V {tuple(logits.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_labels(labels, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     if not flat_labels.is_contiguous():
         flat_labels = flat_labels.contiguous()
-    logprobs, entropy = _TokenLogprobs.apply(logits, flat_labels, float(temperature), backend, return_entropy)
+    with _autocast_off(logits.device.type):  # internal ops at the dtypes chosen here
+        logprobs, entropy = _TokenLogprobs.apply(logits, flat_labels, float(temperature), backend, return_entropy)
     if not return_entropy:
         return logprobs.view(labels.shape)
     return logprobs.view(labels.shape), entropy.view(labels.shape)
@@ -387,7 +433,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False):
     """log p(label) under softmax(logits / temperature), and optionally the entropy of that softmax.
 
     logits: [..., V] any float dtype, any row stride (last dim contiguous, else it is copied).
-    labels: [...] int; IGNORE_INDEX (-100) rows give log-prob 0, entropy 0 and no gradient.
+    labels: [...] int; IGNORE_INDEX (-100) rows give log-prob 0, entropy 0 and no gradient; any other label
+    outside [0, V) raises ValueError.
     Returns logprobs [...] float32, or (logprobs, entropy) with return_entropy=True; both differentiable
     w.r.t. logits. CUDA tensors run the Triton kernels, others the chunked torch path;
     PPO_KERNELS_BACKEND=triton|torch forces one.

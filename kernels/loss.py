@@ -18,16 +18,24 @@ In this file:
     `algo.aggregate`: the plain PyTorch the others are tested against.
   - `_policy_loss_kernel` (Triton): one pass over the tokens: loss, gradient and the stats' partial sums.
   - `_loss_terms_torch`: the same closed form in torch (CPU, and inside linear_policy_loss).
-  - `linear_policy_loss`: log-probs from hidden states and the LM head, then the loss, in one pass on the torch
-    path: each block of rows gets its full-vocabulary logits tile, its log-probs, its loss gradient and then
-    its contribution to dhidden and dweight while the tile is on hand (3 matmuls, as the naive path, with one
-    [rows, V] fp32 buffer). The Triton path composes the fused log-prob kernels (the backward's tile recompute
-    makes it 4 matmuls).
+  - `linear_policy_loss`: log-probs from hidden states and the LM head, then the loss, in one pass over
+    blocks of rows: each block gets its full-vocabulary logits, its log-probs, its loss gradient and then its
+    contribution to dhidden and dweight while the logits are on hand. 3 matmuls, as the naive path, with one
+    [rows, V] fp32 logits buffer instead of [N, V]. On the torch path (`_linear_loss_grads_torch`) these are
+    torch.mm; on the Triton path (`_linear_loss_grads_triton`) they are cuBLAS GEMMs with fp32 accumulation,
+    and two Triton row kernels in between turn the logits into log-probs (logprobs.py's forward kernel) and
+    into dloss/dz (`_loss_dz_kernel`, written in the operands' dtype so the two gradient GEMMs run at full
+    rate). dweight is summed over the chunks of rows in an fp32 [V, H] accumulator, in a fixed order.
+    Temperature: the torch path scales h by 1/T before its matmul, the Triton path divides the fp32 logits
+    by T in its row kernels, as the reference does. Under autocast, fp32 hidden / weight are cast to the
+    autocast dtype (`linear_logprobs._autocast_operands`), so the kernels see bf16; the gradients, formed in fp32 accumulators,
+    go to the caller's fp32 tensors without being rounded to bf16 on the way.
 """
 import torch
 
 from . import linear_logprobs as _linear
-from .logprobs import IGNORE_INDEX, _backend, _compute_dtype
+from . import logprobs as _logprobs
+from .logprobs import IGNORE_INDEX, _backend, _compute_dtype, _interpreting
 
 try:
     import triton
@@ -41,6 +49,9 @@ LOG_RATIO_CLAMP = 20.0
 # Elements in the [rows, V] logits buffer of linear_policy_loss's torch path (fp32: 128 MiB).
 TORCH_LOSS_TILE_ELEMENTS = 1 << 25
 DH_BLOCK = 8192  # vocabulary columns per fp32 product in dhidden's fp64 accumulation
+# Elements in the [rows, V] fp32 logits chunk of linear_policy_loss's Triton path (256 MiB, plus a bf16 dz chunk
+# of half that on a GPU). At V = 151936 that is 441 rows per chunk.
+TRITON_LOSS_CHUNK_ELEMENTS = 1 << 26
 
 
 def policy_loss_reference(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -176,6 +187,25 @@ if triton is not None:
         tl.store(row + 5, tl.max(tl.where(real & inb, tl.abs(ratio - 1.0), 0.0), axis=0))
         tl.store(row + 6, tl.sum(tl.where(real, m * kl, 0.0), axis=0))
         tl.store(row + 7, 0.0)
+
+    @triton.jit
+    def _loss_dz_kernel(
+        logits_ptr,  # [n, V] fp32 contiguous: z = hidden @ weight.T, before the temperature
+        labels_ptr, lse_ptr, grad_ptr,  # [n]: label (all valid), logsumexp(z / T), dloss / dlogp
+        dz_ptr,  # [n, V] contiguous out, dloss / dz (may be logits_ptr itself: each element is read, then written)
+        V, temperature,
+        BLOCK_V: tl.constexpr,
+    ):
+        # One program per (row, block of V):  dloss/dz_v = g (1[v = label] - p_v) / T,  p_v = exp(z_v / T - lse)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        inb = cols < V
+        z = tl.load(logits_ptr + row * V + cols, mask=inb, other=0.0) / temperature  # as the reference rounds
+        p = tl.exp(z - tl.load(lse_ptr + row))
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        g = tl.load(grad_ptr + row)
+        dz = g * (tl.where(cols == label, 1.0, 0.0) - p) / temperature
+        tl.store(dz_ptr + row * V + cols, dz.to(dz_ptr.dtype.element_ty), mask=inb)
 
 
 def _loss_terms_triton(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind):
@@ -373,6 +403,68 @@ def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_gra
     return logp, dh, dw
 
 
+def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_grad_fn, need_dh=True, need_dw=True):
+    """The same pass on the Triton backend, one chunk of rows at a time: 3 cuBLAS matmuls, 2 Triton row kernels.
+
+        z     = h @ W.T                     [n, V] fp32 (bf16/fp16 operands: fp32 accumulate and output)
+        logp, lse from z / T                _logprobs._fwd_triton (divides z by T as the reference does)
+        g     = dloss/dlogp                 token_grad_fn
+        dz    = g (onehot(label) - p) / T   _loss_dz_kernel, in the operands' dtype (over z itself when fp32)
+        dh    = dz @ W,   dW += dz.T @ h    fp32 accumulators; dW's over the chunks, in their order
+
+    token_grad_fn(rows, logp_rows) -> dloss/dlogp for those rows. Returns logp [Nk], dhidden [Nk, H] and
+    dweight [V, H], all fp32. No atomics: the result does not depend on scheduling.
+    """
+    Nk, H = h_kept.shape
+    V = weight.shape[0]
+    device = h_kept.device
+    low_precision = h_kept.dtype in (torch.bfloat16, torch.float16)
+    h = h_kept if low_precision else h_kept.float()  # fp64 inputs run in fp32, as the other Triton kernels do
+    w = weight if low_precision else weight.float()
+    logp = torch.empty(Nk, device=device, dtype=torch.float32)
+    dh = torch.empty((Nk, H), device=device, dtype=torch.float32) if need_dh else None
+    if Nk == 0:  # nothing in the loss
+        return logp, dh, torch.zeros((V, H), device=device, dtype=torch.float32) if need_dw else None
+    dw = torch.empty((V, H), device=device, dtype=torch.float32) if need_dw else None  # written by the first chunk
+    rows_per_chunk = max(1, min(Nk, TRITON_LOSS_CHUNK_ELEMENTS // max(V, 1)))
+    z_buf = torch.empty(rows_per_chunk * V, device=device, dtype=torch.float32)
+    # dz in the operands' dtype feeds the two matmuls at full speed; the interpreter truncates fp32 -> bf16 stores
+    # instead of rounding them, so there it stays fp32. fp32 dz overwrites z in place (each element is read first).
+    dz_dtype = h.dtype if low_precision and not _interpreting() else torch.float32
+    dz_buf = z_buf if dz_dtype == torch.float32 else torch.empty(rows_per_chunk * V, device=device, dtype=dz_dtype)
+    w_dz = w.to(dz_dtype)  # a no-op except under the interpreter with bf16/fp16 operands
+    block_v = min(4096, triton.next_power_of_2(V))
+    for r0 in range(0, Nk, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, Nk)
+        n, rows = r1 - r0, slice(r0, r1)
+        z = z_buf[: n * V].view(n, V)
+        if low_precision:
+            _linear._mm_fp32(h[rows], w.T, out=z)  # [n, V], products never rounded to bf16
+        else:
+            torch.mm(h[rows], w.T, out=z)  # [n, V]
+        labels_rows = labels_kept[rows]
+        logp_rows, _, lse = _logprobs._fwd_triton(z, labels_rows, temperature)
+        logp[rows] = logp_rows
+        if not (need_dh or need_dw):
+            continue
+        g = token_grad_fn(rows, logp_rows).float().contiguous()  # [n] dloss/dlogp
+        dz = dz_buf[: n * V].view(n, V)
+        _loss_dz_kernel[(n, triton.cdiv(V, block_v))](z, labels_rows, lse, g, dz, V, float(temperature),
+                                                      BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+        if need_dh:
+            if low_precision:
+                _linear._mm_fp32(dz, w_dz, out=dh[rows])  # [n, H]
+            else:
+                # dz @ W over blocks of V, accumulated in fp64: the terms cancel (as in _linear_loss_grads_torch)
+                dh_rows = torch.zeros((n, H), device=device, dtype=torch.float64)
+                for v0 in range(0, V, DH_BLOCK):
+                    dh_rows += torch.mm(dz[:, v0:v0 + DH_BLOCK], w[v0:v0 + DH_BLOCK])
+                dh[rows] = dh_rows
+        if need_dw:
+            _linear._mm_fp32(dz.T, h[rows].to(dz_dtype), out=dw, accumulate=r0 > 0)  # [V, H]
+    return logp, dh, dw
+
+
 def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low, clip_high,
                         dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs, norm_const, backend):
     _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp)
@@ -381,7 +473,15 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
                          f"{tuple(mask.shape)} must share their leading shape")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    with torch.no_grad():  # every gradient is formed here; autograd only sees _ScaledGrad
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"hidden [..., H] {tuple(hidden.shape)} and weight [V, H] {tuple(weight.shape)} disagree")
+    _logprobs._check_labels(labels, weight.shape[0])  # a label outside [0, V) would read another row of logits
+    # The caller's tensors get their gradients directly, in their own dtypes: with fp32 master weights under
+    # autocast, dweight leaves the fp32 accumulator as it is (no bf16 rounding, no second [V, H] copy).
+    hidden_in, weight_in = hidden, weight
+    hidden, weight = _linear._autocast_operands(hidden, weight)  # what the kernels compute with
+    # every gradient is formed here; autograd only sees _ScaledGrad
+    with _logprobs._autocast_off(hidden.device.type), torch.no_grad():
         acc = _compute_dtype(hidden.dtype) if backend == "torch" else torch.float32
         H = hidden.shape[-1]
         flat_hidden, flat_labels = hidden.reshape(-1, H), labels.reshape(-1)
@@ -401,15 +501,9 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
             sub = (logp_rows, old[idx], adv[idx], weights[idx], flat_mask[idx], ref[idx] if ref is not None else None)
             return terms(*(t.contiguous() if t is not None else None for t in sub), *params)[1]
 
-        need_dh, need_dw = hidden.requires_grad, weight.requires_grad
-        if backend == "torch":
-            logp_kept, dh_kept, dw = _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_grad,
-                                                              need_dh, need_dw)
-        else:
-            logp_kept, ent_kept, lse_kept = _linear._fwd_triton(h_kept, weight, labels_kept, temperature)
-            g = token_grad(slice(0, kept.numel()), logp_kept)
-            dh_kept, dw = _linear._bwd_triton(h_kept, weight, labels_kept, temperature, lse_kept, ent_kept, g, None,
-                                              need_dh, need_dw)
+        need_dh, need_dw = hidden_in.requires_grad, weight_in.requires_grad
+        grads = _linear_loss_grads_triton if backend == "triton" else _linear_loss_grads_torch
+        logp_kept, dh_kept, dw = grads(h_kept, weight, labels_kept, float(temperature), token_grad, need_dh, need_dw)
         logp = torch.zeros(flat_labels.numel(), device=hidden.device, dtype=acc)
         logp.index_copy_(0, kept, logp_kept.to(acc))  # [N]; 0 where not kept
         loss, _, sums = terms(logp, old.contiguous(), adv.contiguous(), weights.contiguous(), flat_mask.contiguous(),
@@ -419,11 +513,11 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
         stats["logp"] = logp.view(mask.shape).detach()  # per token, 0 where not in the loss
         dhidden = dweight = None
         if need_dh:
-            dhidden = torch.zeros(flat_hidden.shape, device=hidden.device, dtype=hidden.dtype)
-            dhidden = dhidden.index_copy_(0, kept, dh_kept.to(hidden.dtype)).view(hidden.shape)
+            dhidden = torch.zeros(flat_hidden.shape, device=hidden.device, dtype=hidden_in.dtype)
+            dhidden = dhidden.index_copy_(0, kept, dh_kept.to(hidden_in.dtype)).view(hidden.shape)
         if need_dw:
-            dweight = dw.to(weight.dtype)
-    loss = _ScaledGrad.apply(loss.to(acc), hidden, weight, dhidden, dweight)
+            dweight = dw.to(weight_in.dtype)  # no copy when the caller's weight is fp32
+    loss = _ScaledGrad.apply(loss.to(acc), hidden_in, weight_in, dhidden, dweight)
     return loss, stats
 
 
@@ -456,7 +550,9 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, *, te
     Returns (loss 0-dim, stats): policy_loss's stats plus "logp_mean" (masked mean log-prob) and "logp" (the
     log-probs, detached, shaped like mask; 0 on tokens outside the loss).
     Gradients flow to hidden and weight; they are formed in the forward, which therefore costs what forward
-    and backward of the naive path cost, and the backward only scales them.
+    and backward of the naive path cost, and the backward only scales them. Under autocast, fp32 hidden and
+    weight are cast to the autocast dtype first (their gradients come back in fp32); a weight of another dtype
+    than hidden is cast to hidden's.
     """
     return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
                                clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs,

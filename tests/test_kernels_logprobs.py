@@ -266,6 +266,22 @@ def test_public_api_and_dispatch(monkeypatch):
         ppo_kernels.token_logprobs(logits, labels[:2])
 
 
+@pytest.mark.parametrize("impl", [*IMPLS, "reference", "public"])
+@pytest.mark.parametrize("bad", [-1, 11, 16])
+def test_label_outside_vocabulary_is_an_error(impl, bad):
+    # without the check, Triton reads another row (or faults) and the torch paths raise an opaque index error
+    fn = {**IMPLS, "reference": token_logprobs_reference, "public": ppo_kernels.token_logprobs}[impl]
+    device = DEVICES.get(impl, "cpu")
+    logits, labels = make_inputs(5, 11)
+    labels[1], labels[3] = -100, bad
+    logits, labels = logits.to(device), labels.to(device)
+    with pytest.raises(ValueError, match=rf"label {bad} is outside \[0, V\) with V=11"):
+        fn(logits, labels)
+    labels[3] = 10  # -100 alone is fine
+    logprobs = fn(logits, labels)
+    assert logprobs[1] == 0 and max_err(logprobs, truth64(logits, labels, 1.0)[0]) <= 1e-5
+
+
 def test_chunked_torch_path_is_memory_lean(monkeypatch):
     # the torch path never holds more than a couple of chunk-sized temporaries, whatever N
     import ppo_kernels.logprobs as module

@@ -257,3 +257,112 @@ def test_linear_policy_loss_flat_tokens_and_frozen_head():
     loss, _ = ppo_kernels.linear_policy_loss(h, weight, labels, old_logp, advantages, mask)  # weight without grad
     loss.backward()
     assert torch.allclose(h.grad, dh_2d, atol=1e-7)
+
+
+# Every aggregation mode, every KL kind, dual clip, temperatures != 1, ignored (-100) and fully masked rows.
+CHUNKED_CONFIGS = [
+    dict(agg="token-mean", temperature=0.7, kl_coef=0.1, kl_kind="k1"),
+    dict(agg="seq-mean-token-mean", dual_clip=3.0, kl_coef=0.1, kl_kind="k3"),
+    dict(agg="seq-mean-token-sum", kl_coef=0.05, kl_kind="k2", temperature=1.3, clip_low=0.1, clip_high=0.28),
+    dict(agg="seq-mean-token-sum-norm", dual_clip=2.0, temperature=0.7),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", range(len(CHUNKED_CONFIGS)))
+def test_linear_policy_loss_triton_row_chunks(config, dtype, monkeypatch, poisoned_empty):
+    # The Triton path in chunks of rows (logits, log-probs, dz, then dh and dW += per chunk): forced to >= 3 chunks,
+    # the last one shorter, against the float64 truth and the torch path.
+    V = 1000
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(3, 40, 32, V, device=TRITON_DEVICE)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    kept = int(((mask != 0) & (labels != -100)).sum())
+    rows_per_chunk = next(r for r in range(kept // 4, 0, -1) if kept % r)
+    assert kept // rows_per_chunk >= 3 and kept % rows_per_chunk != 0  # >= 3 full chunks and a ragged one
+    monkeypatch.setattr(loss_module, "TRITON_LOSS_CHUNK_ELEMENTS", rows_per_chunk * V)
+    kwargs = dict(CHUNKED_CONFIGS[config])
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    args = (labels, old_logp, advantages, mask)
+    f64 = lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+    truth = linear_loss_and_grads(linear_policy_loss_reference, f64(hidden), f64(weight), *map(f64, args),
+                                  **{k: f64(v) for k, v in kwargs.items()})
+    reference = linear_loss_and_grads(linear_policy_loss_reference, hidden, weight, *args, **kwargs)
+    chunk_rows, fwd = [], loss_module._logprobs._fwd_triton  # the rows of each chunk's log-prob kernel launch
+    monkeypatch.setattr(loss_module._logprobs, "_fwd_triton", lambda z, *a: chunk_rows.append(len(z)) or fwd(z, *a))
+    got = linear_loss_and_grads(linear_policy_loss_triton, hidden, weight, *args, **kwargs)
+    assert chunk_rows == [rows_per_chunk] * (kept // rows_per_chunk) + [kept % rows_per_chunk]
+    torch_path = linear_loss_and_grads(linear_policy_loss_torch, hidden.cpu(), weight.cpu(),
+                                       *(t.cpu() for t in args), **{k: (v.cpu() if torch.is_tensor(v) else v)
+                                                                    for k, v in kwargs.items()})
+    for name, k, r, t, c in zip(("loss", "dhidden", "dweight"), got[:3], reference[:3], truth[:3], torch_path[:3]):
+        k, r, t, c = (x.double().cpu() for x in (k, r, t, c))
+        scale = max(1.0, t.abs().max().item())
+        err_kernel, err_reference = (k - t).abs().max().item(), (r - t).abs().max().item()
+        assert err_kernel <= err_reference + 1e-6 * scale, (name, err_kernel, err_reference)
+        if dtype == torch.float32:
+            # the two paths round differently (h / T before the matmul against z / T after it); a log-prob
+            # difference of 1e-5 (the log-prob tolerance below) moves the loss and its gradients by as much, relatively
+            assert (k - c).abs().max().item() <= 1e-5 * scale, (name, (k - c).abs().max().item())
+        elif INTERPRET:
+            # bf16 operands, fp32 logits and dz under the interpreter: dhidden / dweight are the truth rounded to
+            # bf16 (half an ulp: 2^-8 relative, bf16's unit roundoff) up to the fp32 path's own error
+            assert ((k - t).abs() <= 2**-8 * t.abs() + 1e-6 * scale).all(), name
+    for key in truth[3]:
+        assert abs(got[3][key] - truth[3][key]) <= 1e-5 * max(1.0, abs(truth[3][key])), key
+    in_loss = (mask > 0) & (labels != -100)
+    truth_logp = ppo_kernels.linear_token_logprobs_reference(f64(hidden), f64(weight), labels,
+                                                             temperature=kwargs.get("temperature", 1.0))
+    assert (got[4][~in_loss] == 0).all() and (got[1][~in_loss] == 0).all()
+    assert (got[4].double() - truth_logp)[in_loss].abs().max().item() <= 1e-5
+    assert (got[4].cpu() - torch_path[4]).abs().max().item() <= 1e-5
+    if config == 0 and dtype == torch.float32:
+        again = linear_loss_and_grads(linear_policy_loss_triton, hidden, weight, *args, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], again[:3]))  # bitwise deterministic
+        h = hidden.clone().requires_grad_()  # frozen head: dhidden alone, the same
+        loss, _ = linear_policy_loss_triton(h, weight, *args, **kwargs)
+        loss.backward()
+        assert torch.equal(h.grad, got[1])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "dispatch"])
+def test_linear_policy_loss_autocast_and_mixed_dtypes(impl):
+    # Under autocast, fp32 hidden / weight are cast to the autocast dtype: the result is that of an explicit bf16
+    # cast, and the gradients reach the fp32 tensors in fp32, straight from the fp32 accumulators: rounded to bf16
+    # they are the explicit call's gradients (which autograd rounded to bf16 on the way back through the cast).
+    # A weight of another dtype than hidden is cast to hidden's; a weight whose last dim is not contiguous is made so.
+    fn = {"torch": linear_policy_loss_torch, "triton": linear_policy_loss_triton,
+          "dispatch": ppo_kernels.linear_policy_loss}[impl]
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(2, 24, 32, 300, device=device)
+    args = (labels, old_logp, advantages, mask)
+    kwargs = dict(temperature=0.7, kl_coef=0.1, ref_logp=ref_logp, dual_clip=3.0)
+
+    def run(cast_hidden, cast_weight, autocast=False, weight_leaf=weight):
+        h, w = hidden.clone().requires_grad_(), weight_leaf.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss, stats = fn(cast_hidden(h), cast_weight(w), *args, **kwargs)
+        loss.backward()
+        return loss, stats, h.grad, w.grad
+
+    keep, bf16 = (lambda t: t), (lambda t: t.to(torch.bfloat16))
+    explicit = run(bf16, bf16)
+    for got in (run(keep, keep, autocast=True),  # fp32 master weights under autocast
+                run(bf16, keep),  # bf16 hidden, fp32 weight
+                run(bf16, lambda w: w.T.contiguous().T, weight_leaf=weight.T.contiguous().T)):  # last dim strided
+        assert torch.equal(got[0], explicit[0]) and torch.equal(got[1]["logp"], explicit[1]["logp"])
+        assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+        assert torch.equal(got[2].to(torch.bfloat16).float(), explicit[2])
+        assert torch.equal(got[3].to(torch.bfloat16).float(), explicit[3])
+    assert not torch.equal(got[3], explicit[3])  # fp32 weight: its gradient was not rounded to bf16
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_linear_policy_loss_label_outside_vocabulary(impl):
+    fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
+    device = "cpu" if impl == "torch" else TRITON_DEVICE
+    hidden, weight, labels, old_logp, advantages, mask, _ = linear_batch(2, 10, 16, 100, device=device)
+    for bad in (100, -1):
+        labels[1, 4] = bad
+        with pytest.raises(ValueError, match=f"label {bad} is outside"):
+            fn(hidden, weight, labels, old_logp, advantages, mask)
