@@ -396,6 +396,8 @@ class KVCache:
     n_real [B] int64: real tokens seen so far, which is the RoPE position of the next one.
     length (int) and slot ([] int64): slots filled so far, on the host (read by `Backbone.forward`, which
     slices by it) and on the device (read by `Backbone.decode_step`, whose shapes must not depend on it).
+    dtype: that of the keys and values, whatever the model's (e.g. bf16 under float32 weights): new keys and
+    values are cast on the way in, and attention over the cache runs in this dtype.
     """
 
     def __init__(self, args: ModelArgs, batch_size, max_len, device, dtype):
@@ -453,6 +455,99 @@ def causal_window_mask(q_times, k_times, real, window):
     return (allowed | (k == q)[None])[:, None]
 
 
+_attention_paths = None  # a list while inside `record_attention_paths`
+
+
+def attention(q, k, v, attn_mask=None, is_causal=False):
+    """softmax(q k^T / sqrt(hs), masked) v for q [B, nh, T, hs] and k, v [B, nkv, S, hs], where kv head j serves
+    the query heads j*nh/nkv .. (j+1)*nh/nkv - 1 (GQA); attn_mask [B|1, 1, T, S] bool (True = may attend) or
+    None; is_causal only without a mask. -> [B, nh, T, hs].
+
+    Shaped so that CUDA can run a fused SDPA kernel (flash, cuDNN or memory-efficient), never the math fallback,
+    which upcasts to float32 and materialises the [B, nh, T, S] scores (and keeps them for the backward). Flash
+    takes no mask and 16-bit inputs only (torch's sdp_utils.cpp: check_for_attn_mask, check_dtypes_flash_attention);
+    the memory-efficient kernel of torch 2.11 takes a mask and float32 but not GQA
+    (check_batch_size_and_num_heads_dense<supports_gqa=false>). So the paths, as `record_attention_paths` names them:
+      "causal", "no mask"     as given, with enable_gqa: flash with native GQA (training and scoring forwards,
+                              whose padding Backbone.forward moves after the real tokens)
+      "query heads as rows"   one query per row (decoding) with GQA: the nh/nkv query heads of kv head j become
+                              its query rows, q [B, nkv, nh/nkv, hs]: MHA shapes without copying K/V; a mask
+                              [B, 1, 1, S] broadcasts over the rows (memory-efficient)
+      "MHA shapes"            k, v repeated to nh heads (a copy): a mask with T > 1 (a left-padded prefill,
+                              sliding-window layers shorter than the sequence, rows with holes in their padding),
+                              or float32 on CUDA without a mask (memory-efficient)"""
+    B, nh, T, hs = q.shape
+    group = nh // k.shape[1]
+    float32_cuda = q.is_cuda and _sdpa_dtype(q) == torch.float32
+    if T == 1 and group > 1 and not is_causal:
+        path = "query heads as rows"
+        rows = q.reshape(B, k.shape[1], group, hs)  # [B, nkv, nh/nkv, hs]
+        y = F.scaled_dot_product_attention(rows, k, v, attn_mask=attn_mask).reshape(B, nh, 1, hs)
+    elif attn_mask is None and not (group > 1 and float32_cuda):
+        path = "causal" if is_causal else "no mask"
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=group > 1)
+    else:
+        path = "MHA shapes"
+        if group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, nh, S, hs]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    if _attention_paths is not None:
+        _attention_paths.append(path)
+    return y
+
+
+def _sdpa_dtype(q):
+    """The dtype SDPA computes in: the autocast dtype inside a CUDA autocast region (SDPA is one of its
+    lower-precision ops), else q's."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+
+
+@contextmanager
+def record_attention_paths():
+    """Inside this block, every `attention` call appends its path ("causal", "no mask", "query heads as rows",
+    "MHA shapes"; see `attention`) to the list it yields. Each is shaped for a fused CUDA kernel; which one
+    actually ran shows by running the pass under torch.nn.attention.sdpa_kernel with the math backend left out."""
+    global _attention_paths
+    outer, _attention_paths = _attention_paths, []
+    try:
+        yield _attention_paths
+    finally:
+        _attention_paths = outer
+
+
+def padding_layout(key_mask):
+    """(padded, one_run) for key_mask [B, T] bool (True = real token), read in one host sync: whether any slot
+    is a pad, and whether every row's real tokens form one run: [pads, real tokens, pads] (or no real token)."""
+    after_pad = torch.cat([torch.zeros_like(key_mask[:, :1]), key_mask[:, :-1]], 1).logical_not()  # [B, T]
+    run_starts = (key_mask & after_pad).sum(-1)  # [B]
+    all_real, holes = torch.stack([key_mask.all(), (run_starts > 1).any()]).tolist()
+    return not all_real, not holes
+
+
+def roll_indices(key_mask):
+    """(index, inverse) [B, T] int64 for rows of one run of real tokens: index[b] rolls row b left by its leading
+    pads (x.gather(1, index) puts the real tokens first, every pad after them); inverse[b] rolls it back."""
+    T = key_mask.shape[1]
+    shift = key_mask.long().argmax(-1, keepdim=True)  # [B, 1] leading pads (the first True; 0 for no real token)
+    t = torch.arange(T, device=key_mask.device)[None]  # [1, T]
+    return (t + shift) % T, (t - shift) % T
+
+
+class PermuteRows(torch.autograd.Function):
+    """y[b, t] = x[b, index[b, t]] for x [B, T, ...] and a per-row permutation index [B, T] whose inverse is
+    `inverse`: the backward is then a gather too (autograd's backward of gather is a scatter-add, atomic on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.gather(1, index.view(*index.shape, *[1] * (x.dim() - 2)).expand_as(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.gather(1, inverse.view(*inverse.shape, *[1] * (grad.dim() - 2)).expand_as(grad)), None, None
+
+
 class Attention(nn.Module):
     packed_qkv = None  # (packed [q; k; v] weight, bias) inside cpu_packed_linears
 
@@ -496,16 +591,16 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         is_causal = attn_mask is None and cache is None
+        dtype = q.dtype
         if cache is not None:
             start = 0 if static else cache.length
-            k, v = self.cache_keys_values(cache, k, v, static)  # [B, nkv, S, hs]
+            k, v = self.cache_keys_values(cache, k, v, static)  # [B, nkv, S, hs], in the cache's dtype
+            q = q.to(k.dtype)  # a cache in another dtype than the model's (e.g. bf16): attention runs in it
             # without a mask, T new queries see all cached keys: causal among themselves only if T > 1
             is_causal = attn_mask is None and T > 1 and start == 0
             if attn_mask is None and T > 1 and start > 0:
                 attn_mask = _causal_mask(start, T, start + T, x.device)[None, None]
-        # GQA: each kv head is shared by nh/nkv query heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                           enable_gqa=self.n_heads != self.n_kv)  # [B, nh, T, hs]
+        y = attention(q, k, v, attn_mask, is_causal).to(dtype)  # [B, nh, T, hs]
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y)
 
@@ -519,6 +614,7 @@ class Attention(nn.Module):
         0..length+T-1; a ring layer over its R slots followed by the T new keys (only the new ones for the
         first call), and keeps the last min(T, R) of them."""
         k_buf, v_buf = cache.layer_k[self.layer_idx], cache.layer_v[self.layer_idx]  # [B, nkv, max_len | R, hs]
+        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)  # the cache keeps its own dtype (index_copy_ demands equal ones)
         ring = cache.windows[self.layer_idx] is not None
         R = k_buf.shape[2]
         if static:
@@ -626,19 +722,32 @@ class Backbone(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, cache: KVCache | None = None):
         """input_ids [B, T]; attention_mask [B, T] (1 = real token, None = all real); with a cache, the T
-        tokens are appended after the `cache.length` slots already filled. -> hidden [B, T, H]."""
+        tokens are appended after the `cache.length` slots already filled. -> hidden [B, T, H].
+
+        Without a cache, a padded batch whose rows each read [pads, real tokens, pads] (left-padded prompts and
+        right-padded responses: every PPO training and scoring pass) runs with each row rolled left by its
+        leading pads, so that every pad follows the real tokens: plain causal attention, no mask, is then exact
+        for every real token, and SDPA can take a fused kernel (see `attention`). The hidden states come back
+        in the input's order; at pad slots they are finite and meaningless. Rows with holes keep a mask."""
         B, T = input_ids.shape
         device = input_ids.device
         start = 0 if cache is None else cache.length
         S = start + T
         windows = self.args.sliding_windows if cache is None else cache.windows
+        roll = None  # (index, inverse) [B, T]: row b is computed as input_ids[b, index[b]]
         # Positions count real tokens only, so a left-padded prompt gets the same positions as alone.
         if attention_mask is None:
             padded, key_mask = False, None
             new_positions = torch.arange(T, device=device)[None]  # [1, T]
         else:
             key_mask = attention_mask.bool()  # [B, S=T]
-            padded = not bool(key_mask.all())
+            if cache is None:
+                padded, one_run = padding_layout(key_mask)  # the forward's one host sync
+                if padded and one_run:
+                    roll = roll_indices(key_mask)
+                    input_ids, key_mask = input_ids.gather(1, roll[0]), key_mask.gather(1, roll[0])
+            else:
+                padded = not bool(key_mask.all())
             new_positions = key_mask.long().cumsum(-1) - 1  # [B, T]
         if cache is None:
             positions = new_positions.clamp(min=0)
@@ -657,7 +766,9 @@ class Backbone(nn.Module):
             padded = cache.has_padding
             key_mask = cache.mask[:, :S]  # [B, S]
 
-        # One boolean mask [B, 1, T, S] per distinct window (None = plain causal, no padding).
+        # One boolean mask [B|1, 1, T, S] per distinct window (None = plain causal). Rolled rows need no
+        # padding mask: causal order alone keeps the trailing pads from every real query.
+        pad_mask = padded and roll is None
         q_times = torch.arange(start, S, device=device)  # [T]
         masks = {}
         for window in set(windows):
@@ -665,10 +776,11 @@ class Backbone(nn.Module):
                 k_times = torch.cat([ring_times(start - 1, cache.ring_size, device), q_times])  # [R + T]
                 real = cache.mask.gather(1, k_times.clamp(min=0).expand(B, -1))  # [B, R + T]
                 masks[window] = causal_window_mask(q_times, k_times, real, window)
-            elif not padded and (window is None or window >= S):
+            elif not pad_mask and (window is None or window >= S):
                 masks[window] = None
             else:  # keys: time slots 0..S-1
-                masks[window] = causal_window_mask(q_times, torch.arange(S, device=device), key_mask, window)
+                real = key_mask if pad_mask else None
+                masks[window] = causal_window_mask(q_times, torch.arange(S, device=device), real, window)
 
         x = self.embed_tokens(input_ids)  # [B, T, H]
         ropes = self.ropes(positions, S, x.dtype)
@@ -682,7 +794,10 @@ class Backbone(nn.Module):
         if cache is not None:
             cache.length = S
             cache.slot.fill_(S)
-        return self.norm(x)
+        hidden = self.norm(x)
+        if roll is not None:
+            hidden = PermuteRows.apply(hidden, roll[1], roll[0])  # back to the input's order
+        return hidden
 
     def decode_step(self, input_ids, cache: KVCache):
         """One new real token per row, input_ids [B, 1], at time slot `cache.slot` -> hidden [B, 1, H].

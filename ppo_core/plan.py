@@ -39,11 +39,16 @@ saves in this hand-written model (ppo_core/model.py), per block:
                                               + the norm outputs, the inputs of q/k/v and of gate/up
       q/k norm   (f + a_w) N (Dq + Dkv)       Qwen3, OLMo 2/3 only
       attention  a N (2 Dq + 2 Dkv)           q, k after RoPE, v, the attention output (= o_proj's input)
-                 + 4 N nh                     log-sum-exp of the fused attention kernel
-                 + a M T^2                    the padding mask, converted to an additive float mask per call
+                 + 4 N nh                     log-sum-exp of the fused kernel. No mask: the rows are rolled so
+                                              that their pads follow their real tokens (model.Backbone.forward)
+                                              and causal attention runs as flash with native GQA
+                 + 2 a N (Dq - Dkv) + a T^2   only in a sliding-window layer whose window < T: K and V repeated
+                                              to nh heads and the causal-window mask as one [T, T] float bias
+                                              (the memory-efficient kernel: a mask, no GQA)
       MLP        4 a N I                      gate, silu(gate), up, silu(gate) * up
       LoRA       7 a N r                      the rank-r intermediate of each adapter
-  once per model: 8 N (token ids) + 2 a M T hs (RoPE cos, sin) + N H (f + a_w) (final norm), and the head:
+  once per model: 16 N (token ids, rolled, and the roll back) + 2 a M T hs (RoPE cos, sin per RoPE type)
+      + N H (f + a_w) (final norm), and the head:
       policy   a M R H   the response hidden states fed to the fused log-prob kernel (it never forms [N, V])
       critic   a N H     the score head's input
   backward transients on top of what is saved:
@@ -61,10 +66,13 @@ Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)):
   KV cache = 2 (k and v) x B x nkv x hs x 2 bytes (bf16) x sum over layers of their slots: P + R for full
              attention, min(window, P + R) for a sliding-window layer (a ring): exactly ppo_core.model.KVCache's
              tensors (+ its [B, P+R] mask, [B] counters and write slot).
-  generation working set, the larger of: prefill a B P (3 I + 2 H) + f B P H + (a + 1) B P^2 (the biggest block
-             temporaries and the float/bool masks) and decoding 40 B V (about ten fp32 [B, V] sampling buffers).
+  generation working set, the larger of: prefill a B P (3 I + 2 H) + f B P H + (a + 1) B P^2 + 2 a B P Dq (the
+             biggest block temporaries, the left-padding mask as bool and float bias, K and V repeated to nh heads)
+             and decoding 40 B V (about ten fp32 [B, V] sampling buffers; a decoding step's attention copies
+             nothing: each kv head's query heads become its query rows).
   scoring (policy, reference, critic and reward no-grad forwards in micro-batches of M): M rows of the same
-             prefill temporaries at T = P + R; no autograd state.
+             block temporaries at T = P + R, rolled: no mask, unless a sliding window < T (then one [T, T] mask,
+             (a + 1) T^2, and the repeated K and V, 2 a M T Dq); no autograd state.
   rollout buffers: token ids and mask 9 B T + ten fp32 [B, R] tensors.
 
 Per GPU = model state of every role + gather working set + max(rollout phase, training phase) + rollout buffers
@@ -81,8 +89,12 @@ every distinct non-parameter storage autograd saves (torch.autograd.graph.saved_
 it (Linux: VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned at 64 KiB so every freed
 tensor leaves RSS), against saved + transient. The same formulas are evaluated there with a = f = 4 and the
 CPU (torch) log-prob path; the KV cache is compared with KVCache's tensors built on the meta device.
-Found (8 sequences x 128 tokens, H 128, 3 blocks): peaks within -2.5% to +9% of the measured ones for policy
-and critic, with and without activation checkpointing; saved bytes within 0.3%, also for the default job itself.
+Found (8 sequences x 128 tokens, H 128, 3 blocks): peaks within -2% to +9% of the measured ones for policy
+and critic, with and without activation checkpointing; saved bytes within 0.4%, also for the default job itself
+and for an OLMo-3-style model whose sliding windows are shorter than the sequence. On the CPU, SDPA's flash
+kernel saves what the fused CUDA kernels save (q, k, v, output, log-sum-exp, the float bias of a mask); that
+each CUDA pass does take a fused kernel is for a GPU run to show (run it under torch.nn.attention.sdpa_kernel
+without the math backend).
 """
 import argparse
 import functools
@@ -197,12 +209,15 @@ def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_
         block += (fp32 + a_w) * N * (Dq + Dkv)
     if args.clip_qkv is not None:
         block += act * N * (Dq + 2 * Dkv)  # clamp saves the projections
-    block += act * N * (2 * Dq + 2 * Dkv) + 4 * N * nh + act * M * T * T  # q, k, v, out; lse; float mask
+    block += act * N * (2 * Dq + 2 * Dkv) + 4 * N * nh  # q, k, v, out; lse (rolled rows: causal, no mask)
     block += 4 * act * N * I  # gate, silu(gate), up, product
     block += 7 * act * N * lora_rank
+    # a sliding window shorter than the sequence needs a mask: K, V repeated to nh heads, the [T, T] float bias
+    masked_extra = 2 * act * N * (Dq - Dkv) + act * T * T
+    n_masked = sum(w is not None and w < T for w in args.sliding_windows)
     rope_bytes = fp32 if args.float32_rope_and_norm_weight else act
     n_rope = len({t for t, r in zip(args.layer_types, args.use_rope) if r})
-    once = 8 * N + n_rope * 2 * M * T * hs * rope_bytes + norm_input
+    once = 16 * N + n_rope * 2 * M * T * hs * rope_bytes + norm_input
     if role == "policy":
         head = act * M * R * H
         head_transient = logprob_backward_bytes(M * R, V, H, act=act, grad_bytes=grad_bytes,
@@ -210,15 +225,16 @@ def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_
     else:
         head, head_transient = act * N * H, 0
     layer_transient = 2 * act * N * I
+    largest_block = block + (masked_extra if n_masked else 0)
     if checkpointing:
         # the head's backward runs before any block is recomputed; then one block at a time is live
         kept = L * act * N * H + once + head
-        saved = kept + block
+        saved = kept + largest_block
         peak = max(kept + head_transient, saved + layer_transient)
     else:
-        saved = L * block + once + head
+        saved = L * block + n_masked * masked_extra + once + head
         peak = saved + max(head_transient, layer_transient)
-    return dict(per_block=block, saved=saved, transient=peak - saved, peak=peak)
+    return dict(per_block=largest_block, saved=saved, transient=peak - saved, peak=peak)
 
 
 def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
@@ -229,11 +245,20 @@ def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
     return 2 * elements * kv_bytes + batch * max_len + 8 * batch + 8
 
 
-def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4) -> int:
-    """Temporaries of a no-grad forward of rows x length tokens: the largest block's, and the masks."""
+def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=False) -> int:
+    """Temporaries of a no-grad forward of rows x length tokens: the largest block's, and attention's masks.
+
+    prefill=False (scoring: rows rolled, pads after the real tokens): a mask only where a sliding window is
+    shorter than `length`, one [T, T] for the batch. prefill=True (the left-padded prompt into the KV cache):
+    a mask per row. A mask comes as bool and float bias, with K and V repeated to nh heads (model.attention)."""
     n = rows * length
-    return act * n * (3 * args.intermediate_size + 2 * args.hidden_size) + fp32 * n * args.hidden_size \
-        + (act + 1) * rows * length * length
+    block = act * n * (3 * args.intermediate_size + 2 * args.hidden_size) + fp32 * n * args.hidden_size
+    mask_rows = rows if prefill else int(any(w is not None and w < length for w in args.sliding_windows))
+    if not mask_rows:
+        return block
+    gqa = args.num_attention_heads != args.num_key_value_heads
+    repeated_kv = 2 * act * n * args.num_attention_heads * args.head_dim if gqa else 0
+    return block + (act + 1) * mask_rows * length * length + repeated_kv
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -306,7 +331,7 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
             gather = max(gather, BF16_COPY * (shape["root"] + 2 * shape["block"] + unsharded_grads))
     policy_args = shapes["policy"]["args"]
     kv = roles["policy"]["kv_cache_gb"] * GB
-    generation = max(forward_working_set(policy_args, B, P), 40 * B * policy_args.vocab_size)
+    generation = max(forward_working_set(policy_args, B, P, prefill=True), 40 * B * policy_args.vocab_size)
     scoring = max(forward_working_set(shape["args"], M, P + R) for shape in shapes.values())
     rollout_phase = max(kv + generation, scoring)
     training_phase = max(roles[r]["activation_gb"] * GB for r in ("policy", "critic"))

@@ -82,6 +82,15 @@ def ids_and_mask(B=3, T=SEQ, vocab=131, seed=0):
     return ids.masked_fill(mask == 0, 0), mask
 
 
+def left_and_right_padding(ids, mask):
+    """The rows of ids_and_mask() with right padding added as a PPO batch has it ([pads, prompt, response, pads]):
+    row 0 loses its last 3 tokens, row 1 (4 left pads) its last 2; row 2 keeps its one left pad."""
+    mask = mask.clone()
+    mask[0, -3:] = 0
+    mask[1, -2:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
 def hf_logits(hf, ids, mask):
     # transformers' generate passes these position ids for left-padded rows; its forward alone would not
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -101,10 +110,13 @@ def test_logits_match_transformers(checkpoints, family):
     hf, path = checkpoints[family]
     model = load_model(path).eval()
     ids, mask = ids_and_mask()
+    both_ids, both_mask = left_and_right_padding(ids, mask)
     with torch.no_grad():
-        ours_padded, ours_plain = model(ids, mask), model(ids)
+        ours_padded, ours_plain, ours_both = model(ids, mask), model(ids), model(both_ids, both_mask)
         ref_plain = hf(input_ids=ids).logits
     assert max_diff_real(ours_padded, hf_logits(hf, ids, mask), mask) <= TOL  # left padding
+    assert max_diff_real(ours_both, hf_logits(hf, both_ids, both_mask), both_mask) <= TOL  # left and right
+    assert torch.isfinite(ours_both).all()  # pad slots too
     assert (ours_plain - ref_plain).abs().max().item() <= TOL  # no mask: the plain causal path
     assert ref_plain.abs().max() > 1.0  # logits that actually vary
 
