@@ -1,0 +1,363 @@
+"""Compile every ppo_kernels Triton kernel for sm_90a (H100/H200) and sm_80 (A100) without a GPU, at the launch
+configurations the public wrappers really use, and report what ptxas says about each variant.
+
+    python tests/triton_compile.py                 # prints the table (about 1-2 min on 2 cores)
+    python tests/triton_compile.py --json out.json # and writes one record per compiled variant
+
+How the launches are found: `JITFunction.run` (what `kernel[grid](...)` calls) is replaced by a recorder that
+keeps the kernel, its arguments and its launch keywords and launches nothing; then the public wrappers
+(`*_triton`, forward and backward) run on CPU tensors at small but realistic shapes, over every option that
+selects a different constexpr. Their outputs are garbage (no kernel ran); only the launches matter.
+Each distinct launch is then specialised exactly as `JITFunction.run` does on a GPU (Triton's own
+`create_function_from_signature` binder and `_pack_args`: integers equal to 1 become constexprs, integers and
+pointers divisible by 16 get `tt.divisibility` 16, integers >= 2^31 become i64) and compiled with
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`, as `JITFunction._do_compile` does.
+Pointer alignment comes from the CPU tensors: torch's CPU allocator aligns to 64 bytes, CUDA's to 256 or more,
+so a pointer is 16-byte aligned on both exactly when its offset into its storage is.
+`linear_logprobs._sm_count` (the GPU's SM count, which picks the forward's vocabulary splits) is set to the
+card's while recording; it is the one device query on the path. Shapes here give 32-bit integer arguments;
+at N * V >= 2^31 token_logprobs' `stride_outer` would be i64 (not compiled here).
+
+Triton's cache is pointed at a fresh temporary directory, so every variant is compiled (and ptxas run) anew;
+TRITON_DUMP_PTXAS_LOG=1 makes Triton print the `ptxas -v` log of the very ptxas run that built the cubin.
+Must run with TRITON_INTERPRET unset (tests/conftest.py sets it for the other tests): hence a script.
+"""
+import argparse
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+UNSUPPORTED_EXIT_CODE = 3  # this Triton's JIT internals differ: tests/test_kernels_compile.py skips
+# Triton reads these when it compiles; set before it is imported.
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+try:  # the JIT's own binder (Triton >= 3.3); without it the specialisation cannot be reproduced faithfully
+    from triton.runtime.jit import create_function_from_signature
+    assert hasattr(JITFunction, "_pack_args")
+except (ImportError, AssertionError):
+    print(f"SKIP: triton {triton.__version__} lacks JITFunction's create_function_from_signature/_pack_args",
+          file=sys.stderr)
+    sys.exit(UNSUPPORTED_EXIT_CODE)
+
+import ppo_kernels.linear_logprobs as linear_logprobs  # noqa: E402
+import ppo_kernels.logprobs as logprobs  # noqa: E402
+import ppo_kernels.loss as loss  # noqa: E402
+
+KERNEL_MODULES = (logprobs, linear_logprobs, loss)
+# name: (compute capability, SMs of the card, largest shared memory one block may use (opt-in), in bytes)
+ARCHS = {
+    "sm_90a": (90, 132, 227 * 1024),  # H100 SXM / H200: 228 KB per SM, 227 KB per block
+    "sm_80": (80, 108, 163 * 1024),  # A100: 164 KB per SM, 163 KB per block
+}
+# (name, tokens N, vocabulary V, hidden H, labels set to IGNORE_INDEX): V >= 4096 gives the BLOCK_V = 4096 launches
+# of real vocabularies; "aligned" has N, V and the kept rows (N - ignored) multiples of 16 (Qwen3's V = 151936,
+# Llama's 128256), "odd" has none (GPT-2's V = 50257). Any H that is a multiple of 16 specialises as a real one
+# (4096) does; a small one keeps the CPU matmuls cheap.
+SHAPES = (("aligned", 256, 4112, 64, 16), ("odd", 250, 4100, 64, 7))
+# (name, tensors' dtype, autocast dtype or None)
+DTYPES = (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("autocast", torch.float32, torch.bfloat16))
+TEMPERATURE = 0.7
+# (dual_clip, kl_coef, kl_kind): every (HAS_DUAL, HAS_KL, KL_KIND) the loss kernel can be launched with
+LOSS_OPTIONS = tuple((dual, kl_coef, kind) for dual in (None, 3.0)
+                     for kl_coef, kind in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recording the launches
+# ----------------------------------------------------------------------------------------------------------------
+def exercise_wrappers():
+    """Call every public Triton wrapper, forward and backward, over the options that change a constexpr.
+
+    Yields a case label ("<wrapper> <shape> <dtype>") before each group of calls; the recorder files the
+    launches under it. dtype "autocast" is fp32 tensors under bf16 autocast, as the trainer runs the LM head.
+    """
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype, grad=False):
+        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_(grad)
+
+    def labels_for(shape, V, n_ignored):
+        labels = torch.randint(0, V, shape, generator=gen)
+        ignored = torch.randperm(labels.numel(), generator=gen)[:n_ignored]
+        labels.view(-1)[ignored] = logprobs.IGNORE_INDEX  # ignored rows, as prompts and padding give
+        return labels
+
+    def backward_through(lp, ent, use_logp, use_entropy):
+        sum(t.sum() for t, used in ((lp, use_logp), (ent, use_entropy)) if used).backward()
+
+    # which outputs the loss uses (which upstream gradients reach the backward): both, log-probs, entropy
+    grad_kinds = ((True, True), (True, False), (False, True))
+    for shape_name, N, V, H, n_ignored in SHAPES:
+        B, T = 2, N // 2  # [B, T] token grids for the [B, T, ...] calls
+        P = 3  # prompt length: the trainer's response hidden states are [B, P + T, H][:, P - 1 : -1]
+        for dtype_name, dtype, autocast in DTYPES:
+            case = f"{shape_name} {dtype_name}"
+            amp = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+
+            if not autocast:  # token_logprobs and policy_loss take their inputs' dtype as it comes
+                yield f"token_logprobs {case}"
+                for use_logp, use_entropy in grad_kinds:
+                    logits = randn(N, V, dtype=dtype, grad=True)  # [N, V]
+                    lp, ent = logprobs.token_logprobs_triton(logits, labels_for((N,), V, n_ignored),
+                                                             temperature=TEMPERATURE, return_entropy=True)
+                    backward_through(lp, ent, use_logp, use_entropy)
+                # [B, T, V] logits shifted by one token, as a causal LM's are used: rows of a 3-D strided view
+                full = randn(B, T + 1, V, dtype=dtype, grad=True)
+                lp, ent = logprobs.token_logprobs_triton(full[:, :-1], labels_for((B, T), V, n_ignored),
+                                                         temperature=TEMPERATURE, return_entropy=True)
+                backward_through(lp, ent, True, True)
+
+                yield f"policy_loss {case}"
+                for dual_clip, kl_coef, kl_kind in LOSS_OPTIONS:
+                    logp = randn(B, T, dtype=dtype, grad=True)
+                    mask = (torch.rand(B, T, generator=gen) > 0.2).float()
+                    loss_value, _ = loss.policy_loss_triton(
+                        logp, randn(B, T, dtype=dtype), randn(B, T, dtype=dtype), mask, dual_clip=dual_clip,
+                        ref_logp=randn(B, T, dtype=dtype), kl_coef=kl_coef, kl_kind=kl_kind)
+                    loss_value.backward()
+
+            yield f"linear_token_logprobs {case}"
+            for use_logp, use_entropy in grad_kinds:
+                hidden, weight = randn(N, H, dtype=dtype, grad=True), randn(V, H, dtype=dtype, grad=True)
+                with amp:
+                    lp, ent = linear_logprobs.linear_token_logprobs_triton(
+                        hidden, weight, labels_for((N,), V, n_ignored), temperature=TEMPERATURE, return_entropy=True)
+                backward_through(lp, ent, use_logp, use_entropy)
+
+            yield f"linear_policy_loss {case}"
+            for dual_clip, kl_coef, kl_kind in LOSS_OPTIONS[-1:] if autocast else LOSS_OPTIONS:
+                full = randn(B, P + T, H, dtype=dtype, grad=True)
+                weight = randn(V, H, dtype=dtype, grad=True)
+                mask = (torch.rand(B, T, generator=gen) > 0.2).float()
+                old, adv, ref = (randn(B, T, dtype=torch.float32) for _ in range(3))
+                with amp:
+                    loss_value, _ = loss.linear_policy_loss_triton(
+                        full[:, P - 1:-1], weight, labels_for((B, T), V, n_ignored), old, adv, mask,
+                        temperature=TEMPERATURE, dual_clip=dual_clip, ref_logp=ref, kl_coef=kl_coef,
+                        kl_kind=kl_kind)
+                loss_value.backward()
+
+
+def record_launches(sm_count):
+    """[(kernel, args, kwargs, case)] of every `kernel[grid](...)` the wrappers make, none of them launched."""
+    launches = []
+    case = [None]
+
+    def recorder(self, *args, grid, warmup, **kwargs):
+        for arg in args:  # see the module docstring: pointer alignment carries over only from aligned storages
+            assert not isinstance(arg, torch.Tensor) or arg.untyped_storage().data_ptr() % 16 == 0
+        launches.append((self, args, kwargs, case[0]))
+        return None
+
+    real_run = JITFunction.run
+    real_sm_count = getattr(linear_logprobs, "_sm_count", None)
+    JITFunction.run = recorder
+    if real_sm_count is not None:
+        linear_logprobs._sm_count = lambda device: sm_count
+    try:
+        for case[0] in exercise_wrappers():
+            pass
+    finally:
+        JITFunction.run = real_run
+        if real_sm_count is not None:
+            linear_logprobs._sm_count = real_sm_count
+    return launches
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Specialising and compiling a launch as the JIT would
+# ----------------------------------------------------------------------------------------------------------------
+def specialise(kernel, args, kwargs, backend):
+    """(signature, constexprs, attrs, options) exactly as JITFunction.run computes them for these arguments."""
+    kwargs = dict(kwargs)
+    # the option defaults JITFunction.run fills in before binding (those this Triton has)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def _kernel_sources(kernel, seen=None):
+    """Source text of a JIT kernel and of every JIT function it calls."""
+    seen = set() if seen is None else seen
+    if kernel.fn in seen:
+        return ""
+    seen.add(kernel.fn)
+    text = kernel.src
+    for name in set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text)):
+        callee = kernel.fn.__globals__.get(name)
+        if isinstance(callee, JITFunction):
+            text += _kernel_sources(callee, seen)
+    return text
+
+
+def uses_dot(kernel):
+    return "tl.dot(" in _kernel_sources(kernel)
+
+
+def _ptxas_numbers(log, name):
+    """Registers, spill store/load bytes, stack bytes and static shared memory from a `ptxas -v` log."""
+    start = log.find(f"Compiling entry function '{name}'")
+    if start < 0:  # e.g. a cache hit: no ptxas ran
+        raise RuntimeError(f"no ptxas -v log for {name} (TRITON_DUMP_PTXAS_LOG unsupported, or cached?): {log!r}")
+    section = log[start:]
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", section)
+    registers = re.search(r"Used (\d+) registers", section)
+    smem = re.search(r"(\d+) bytes smem", section)
+    return dict(registers=int(registers.group(1)), stack=int(spills.group(1)), spill_stores=int(spills.group(2)),
+                spill_loads=int(spills.group(3)), static_shared=int(smem.group(1)) if smem else 0)
+
+
+def compile_launch(kernel, signature, constexprs, attrs, options, target):
+    """Compile one specialised launch; returns ptxas' numbers, shared memory and the tensor-core instruction."""
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG=1: Triton prints ptxas' log here
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+    seconds = time.perf_counter() - start
+    ptx = compiled.asm["ptx"]
+    ptx_target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
+    instructions = [instr for instr in ("wgmma", "mma.sync") if re.search(rf"\b{re.escape(instr)}\b", ptx)]
+    result = dict(ptx_target=ptx_target, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+                  num_stages=compiled.metadata.num_stages, tensor_core=" ".join(instructions) or "-",
+                  compile_s=round(seconds, 2))
+    result.update(_ptxas_numbers(log.getvalue(), compiled.metadata.name))
+    return result
+
+
+def describe(kernel, constexprs):
+    """The constexprs of a specialisation (integer arguments equal to 1 included), e.g. 'stride_hh=1 BLOCK_N=128'."""
+    short = {True: "1", False: "0"}
+    return " ".join(f"{kernel.arg_names[path[0]]}={short.get(value, value) if isinstance(value, bool) else value}"
+                    for path, value in sorted(constexprs.items()))
+
+
+def operand_dtype(signature):
+    """Element type of the first floating-point pointer argument (the kernel's main operand)."""
+    for arg_type in signature.values():
+        if isinstance(arg_type, str) and arg_type[1:] in ("fp32", "bf16", "fp16", "fp64") and arg_type[0] == "*":
+            return arg_type[1:]
+    return "-"
+
+
+def all_kernels():
+    """Names of every launchable @triton.jit kernel of ppo_kernels: the JIT functions no other one calls."""
+    functions = {name: value for module in KERNEL_MODULES for name, value in vars(module).items()
+                 if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__}
+    called = set()
+    for name, fn in functions.items():
+        called.update(callee for callee in re.findall(r"\b([A-Za-z_]\w*)\s*\(", fn.src) if callee != name)
+    return sorted(name for name in functions if name not in called)
+
+
+_JOBS = []  # (kernel, signature, constexprs, attrs, options, target) per variant; forked workers read it
+
+
+def _compile_job(index):
+    try:
+        return compile_launch(*_JOBS[index])
+    except Exception as exc:  # report every failing variant, not just the first
+        return dict(error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
+
+
+def run_all(jobs=1, log=print):
+    """Record, specialise and compile every distinct launch for every arch. Returns one dict per variant."""
+    rows = []
+    for arch, (capability, sm_count, shared_limit) in ARCHS.items():
+        target = GPUTarget("cuda", capability, 32)
+        backend = make_backend(target)
+        variants = {}  # specialisation key -> row
+        for kernel, args, kwargs, case in record_launches(sm_count):
+            signature, constexprs, attrs, options = specialise(kernel, args, kwargs, backend)
+            key = json.dumps([kernel.__name__, signature, sorted(map(str, constexprs.items())),
+                              sorted(map(str, attrs.items())), sorted(map(str, options.__dict__.items()))])
+            dtype = case.split()[-1]
+            if key not in variants:
+                _JOBS.append((kernel, signature, constexprs, attrs, options, target))
+                variants[key] = dict(
+                    kernel=kernel.__name__, module=kernel.fn.__module__.split(".")[-1], arch=arch, cases=set(),
+                    dtypes=set(), operands=operand_dtype(signature), spec=describe(kernel, constexprs),
+                    uses_dot=uses_dot(kernel), shared_limit=shared_limit, job=len(_JOBS) - 1, error=None,
+                    # pointer and integer arguments without the divisibility-16 hint; 64-bit integers
+                    unaligned=[kernel.arg_names[path[0]] for path, attr in attrs.items()
+                               if not attr and signature[kernel.arg_names[path[0]]] != "constexpr"],
+                    int64=[name for name, arg_type in signature.items() if arg_type == "i64"])
+            variants[key]["cases"].add(case)
+            variants[key]["dtypes"].add(dtype)
+        for row in variants.values():
+            row["cases"], row["dtypes"] = sorted(row["cases"]), sorted(row["dtypes"])
+            rows.append(row)
+    # the matmul kernels first: they take ~1-2 s each, the others ~0.1-0.3 s
+    order = sorted(range(len(rows)), key=lambda i: not rows[i]["uses_dot"])
+    if jobs > 1:  # fork: the workers inherit _JOBS (kernels, tensors' specialisations) without pickling them
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = dict(zip(order, pool.map(_compile_job, [rows[i]["job"] for i in order])))
+    else:
+        results = {i: _compile_job(rows[i]["job"]) for i in order}
+    for i, row in enumerate(rows):
+        row.update(results[i])
+        log(f"FAILED {row['kernel']} {row['arch']}: {row['error'][:300]}" if row["error"] else
+            f"compiled {row['kernel']} {row['arch']} {row['operands']} in {row['compile_s']} s")
+    return rows
+
+
+def table(rows):
+    head = ("kernel", "arch", "call dtype", "operand", "warps", "stages", "regs", "spill st/ld", "shared B",
+            "tc instr", "specialisation")
+    lines = []
+    modules = [module.__name__.split(".")[-1] for module in KERNEL_MODULES]
+    for r in sorted(rows, key=lambda r: (modules.index(r["module"]), r["kernel"], r["arch"], r["dtypes"], r["spec"])):
+        if r["error"]:
+            lines.append((r["kernel"], r["arch"], "+".join(r["dtypes"]), r["operands"], "", "", "", "", "",
+                          "", "COMPILE ERROR"))
+            continue
+        lines.append((r["kernel"], r["arch"], "+".join(r["dtypes"]), r["operands"], str(r["num_warps"]),
+                      str(r["num_stages"]), str(r["registers"]), f"{r['spill_stores']}/{r['spill_loads']}",
+                      str(r["shared"] + r["static_shared"]), r["tensor_core"],
+                      r["spec"] + (f" | not /16: {','.join(r['unaligned'])}" if r["unaligned"] else "")
+                      + (f" | i64: {','.join(r['int64'])}" if r["int64"] else "")))
+    widths = [max(len(str(x[i])) for x in (head, *lines)) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*x).rstrip() for x in (head, ["-" * w for w in widths], *lines))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: every variant is compiled, ptxas run
+        start = time.perf_counter()
+        rows = run_all(args.jobs, log=lambda line: print(line, file=sys.stderr))
+        seconds = time.perf_counter() - start
+    print(table(rows))
+    print(f"{len(rows)} variants in {seconds:.0f} s (triton {triton.__version__})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, kernels=all_kernels(), triton=triton.__version__, seconds=seconds), f)
+
+
+if __name__ == "__main__":
+    main()
