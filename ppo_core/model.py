@@ -6,7 +6,7 @@ Hugging Face layout with exact parity.
     rm = load_reward_model("Skywork-Reward-V2-Qwen3-8B")      # *ForSequenceClassification
     rewards = rm.score(input_ids, attention_mask)             # [B], the score at the last real token
     model.save_pretrained("out/")                             # loads unchanged in `transformers`
-    count_parameters("../shared/model-configs/Qwen3-0.6B")    # 596049920, from config.json on the meta device
+    count_parameters("configs/models/Qwen3-0.6B")    # 596049920, from config.json on the meta device
 
 Families (the `architectures` entry of config.json) and what sets them apart, all as fields of `ModelArgs`:
 

@@ -1,6 +1,6 @@
 """ppo-plan: how much GPU memory a PPO run needs, per role and per GPU, from the models' config.json alone.
 
-    ppo-plan --policy ../shared/model-configs/Qwen3-4B --gpus 8 --sharding fsdp --prompt-len 512 --response-len 1024
+    ppo-plan --policy configs/models/Qwen3-4B --gpus 8 --sharding fsdp --prompt-len 512 --response-len 1024
     ppo-plan --policy ckpt/Qwen3-8B --reward-model ckpt/Skywork-Reward-V2-Qwen3-8B --lora-rank 64 --json
     ppo-plan --config configs/default.toml --prompt-len 8            # the run config of ppo-train
 

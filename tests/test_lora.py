@@ -32,7 +32,7 @@ CONFIGS = {
     "llama_bias": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True,
                        mlp_bias=True, tie_word_embeddings=True),
 }
-REAL_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "model-configs")
+REAL_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
 RANK, ALPHA = 4, 8.0  # scale s = alpha / rank = 2, so a missing or doubled scale shows
 
 

@@ -27,7 +27,7 @@ from ppo_core.model import (  # noqa: E402
 )
 
 TOL = 1e-4
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "model-configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
 BASE = dict(vocab_size=131, hidden_size=60, intermediate_size=86, num_hidden_layers=4, num_attention_heads=6,
             num_key_value_heads=3, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 FAMILIES = {
@@ -396,7 +396,7 @@ PUBLISHED = {"Qwen3-0.6B": 0.596e9, "Qwen3-1.7B": 1.721e9, "Qwen3-4B": 4.023e9, 
              "OLMo-1B-0724-hf": 1.280e9, "SmolLM2-135M": 0.135e9, "SmolLM2-360M": 0.362e9}
 
 
-@pytest.mark.skipif(not os.path.isdir(CONFIGS), reason="no shared/model-configs")
+@pytest.mark.skipif(not os.path.isdir(CONFIGS), reason="no configs/models")
 def test_parameter_counts_of_real_configs():
     for name, published in PUBLISHED.items():
         n = count_parameters(os.path.join(CONFIGS, name))

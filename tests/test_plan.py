@@ -20,7 +20,7 @@ from ppo_core import algo, plan, train
 from ppo_core.model import KVCache, ModelArgs, count_parameters, load_model, load_score_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = os.path.join(ROOT, "..", "shared", "model-configs")
+CONFIGS = os.path.join(ROOT, "configs", "models")
 needs_configs = pytest.mark.skipif(not os.path.isdir(CONFIGS), reason=f"no architecture configs at {CONFIGS}")
 
 
@@ -57,7 +57,7 @@ def test_seed_figures_full_finetuning_model_state(capsys, name, published_params
     assert reference["grad_gb"] == reference["optimizer_gb"] == 0
 
 
-# the parameter table of ../shared/model-configs/README.md
+# the parameter table of configs/models/README.md
 PUBLISHED_PARAMS = {"Qwen3-0.6B": 0.596e9, "Qwen3-1.7B": 1.721e9, "Qwen3-4B": 4.023e9, "Qwen3-8B": 8.191e9,
                     "OLMo-1B-0724-hf": 1.280e9, "SmolLM2-135M": 0.135e9, "SmolLM2-360M": 0.362e9}
 
