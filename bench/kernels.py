@@ -1,22 +1,28 @@
 """Benchmark ppo_kernels against torch eager, torch.compile and installed peers (TRL, Liger-Kernel).
 
-    python bench/kernels.py                # CPU table (float32; ~45 min on 2 busy cores); + CUDA table with a GPU
-    python bench/kernels.py --quick        # tiny shapes, about a minute: checks that every row runs
-    python bench/kernels.py --only linear  # one op: logits | linear | loss
-    python bench/kernels.py --repeats 5    # rounds (default 3): every row is timed once per round
+    python bench/kernels.py --device cuda              # GPU table (bf16, N = 1024/4096/16384, H = 4096, V = 151936)
+    python bench/kernels.py --device cuda --no-compile # the same without the torch.compile rows (what gpu_suite.sh runs)
+    python bench/kernels.py --device cpu               # CPU table (float32; ~45 min on 2 busy cores)
+    python bench/kernels.py --device cpu --quick       # tiny CPU shapes, about a minute: checks that every row runs
+    python bench/kernels.py --smoke                    # the GPU runner's code on the CPU at tiny shapes, seconds
+    python bench/kernels.py --only linear              # one op: logits | linear | linear-autocast | loss
 
-Every measurement runs in a fresh subprocess on the same seeded inputs, so its memory high-water mark is its own:
-on CPU the peak resident memory (VmHWM, reset through /proc/self/clear_refs once the inputs exist), on CUDA
-torch.cuda.max_memory_allocated; "extra MiB" is that peak beyond the inputs and the gradients returned.
-Times: forward, and forward + backward, the median over rounds that interleave the implementations (a shared
-CPU's load drifts; interleaving spreads the drift over every row), after a warm-up iteration where there is
-something to warm up (torch.compile and Liger's compiled loss, and everything on CUDA); synchronised on CUDA.
-The ceilings are the best of one measurement per round.
-Throughput is in physical units against ceilings measured in the same run: GB/s against a large tensor copy
-(bytes = one read of the logits for the forward, read + read + write for forward + backward) for the logits
-op; TFLOP/s against a large matmul (2NHV per projection: 1 forward, 3 forward + backward) for the fused-linear
-ops ("loss" forms its gradients in the forward, so its forward already holds the whole cost). "vs eager" is
-forward + backward time and extra memory relative to the torch-eager row of the same shape.
+Physical units against ceilings measured in the same run, in the same process: GB/s against a large tensor
+copy (bytes = one read of the logits for the forward, read + read + write for forward + backward) for the
+logits op; TFLOP/s against a large matmul (bf16 8192^3 on CUDA) (2NHV per projection: 1 forward, 3 forward +
+backward) for the fused-linear ops ("loss" forms its gradients in the forward, so its forward already holds the
+whole cost). "vs eager" is forward + backward time and extra memory relative to the torch-eager row of the
+same shape. "linear-autocast" feeds fp32 hidden states and weight under bf16 autocast, as the trainer does
+(fp32 master weights): the fused kernels should run their bf16 path there, at the bf16 row's speed.
+
+CUDA (and --smoke): inputs are made on the device with a device generator; every implementation runs in one
+process, one after another, with the allocator's peak statistics reset between them ("extra MiB" =
+torch.cuda.max_memory_allocated beyond the inputs and the gradients returned); each is warmed up (Triton JIT,
+cuBLAS heuristics, torch.compile), then timed over --repeats calls with CUDA events; the median is reported.
+CPU (--device cpu): every measurement runs in a fresh subprocess on the same seeded inputs, so its peak resident
+memory (VmHWM, reset through /proc/self/clear_refs once the inputs exist) is its own; rounds interleave the
+implementations (a shared CPU's load drifts; interleaving spreads the drift over every row); the median over
+rounds is reported, the ceilings are the best of one measurement per round.
 """
 import argparse
 import json
@@ -109,27 +115,51 @@ def loss_impls():
     return impls
 
 
-IMPLS = {"logits": logits_impls, "linear": linear_impls, "loss": loss_impls}
+def linear_autocast_impls():
+    """op 'linear-autocast': fp32 hidden and weight under bf16 autocast, as the trainer's fp32 master weights
+    reach the LM head. Eager autocasts its matmul to bf16; the fused kernels must do the same (not run fp32)."""
+    def under_autocast(fn):
+        def run(h, w, y):
+            with torch.autocast(h.device.type, dtype=torch.bfloat16):
+                return fn(h, w, y)
+        return run
+    impls = linear_impls()
+    return {name: under_autocast(impls[name]) for name in ("torch eager", "ppo_kernels")}
+
+
+IMPLS = {"logits": logits_impls, "linear": linear_impls, "linear-autocast": linear_autocast_impls,
+         "loss": loss_impls}
 
 
 # -------------------------------------------------------------------------------------------- one measurement
 def make_inputs(op, shape, dtype, device):
-    g = torch.Generator().manual_seed(SEED)
+    """Seeded inputs made where they are used: on CUDA with a CUDA generator (a [16384, 151936] tensor made on
+    the CPU and copied over takes seconds), on the CPU in float32 and then cast. -> (args, leaves to grad)."""
+    on_device = device != "cpu"
+    g = torch.Generator(device=device if on_device else "cpu").manual_seed(SEED)
+
+    def randn(*size, scale=1.0, shift=0.0):
+        if on_device:
+            return torch.randn(*size, generator=g, device=device, dtype=dtype).mul_(scale).add_(shift)
+        return (torch.randn(*size, generator=g) * scale + shift).to(dtype)
+
+    def randint(high, *size):
+        return torch.randint(0, high, size, generator=g, device=g.device)
+
     if op == "logits":
         N, V = shape
-        logits = (torch.randn(N, V, generator=g) * 3).to(device, dtype).requires_grad_()
-        labels = torch.randint(0, V, (N,), generator=g).to(device)
-        return (logits, labels), [logits]
+        logits = randn(N, V, scale=3.0).requires_grad_()
+        return (logits, randint(V, N)), [logits]
     N, H, V = shape
-    hidden = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_()
-    weight = (torch.randn(V, H, generator=g) * (3 / math.sqrt(H))).to(device, dtype).requires_grad_()
-    labels = torch.randint(0, V, (N,), generator=g).to(device)
-    if op == "linear":
+    hidden = randn(N, H).requires_grad_()
+    weight = randn(V, H, scale=3 / math.sqrt(H)).requires_grad_()
+    labels = randint(V, N)
+    if op in ("linear", "linear-autocast"):
         return (hidden, weight, labels), [hidden, weight]
     B, T = 2, N // 2  # loss: N = B * T tokens, [B, T] token arguments
     hidden = hidden.detach().view(B, T, H).requires_grad_()
-    old = (torch.randn(B, T, generator=g) * 0.1 - 12.0).to(device)  # about log(1 / V): near the policy's logp
-    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous().to(device)  # one advantage per sequence (GRPO)
+    old = randn(B, T, scale=0.1, shift=-12.0).float()  # about log(1 / V): near the policy's logp
+    adv = randn(B, 1).float().expand(B, T).contiguous()  # one advantage per sequence (GRPO)
     mask = torch.ones(B, T, device=device)
     return (hidden, weight, labels.view(B, T), old, adv, mask), [hidden, weight]
 
@@ -196,10 +226,11 @@ def worker(spec):
             "threads": torch.get_num_threads()}
 
 
-def ceilings(device):
-    """Copy bandwidth (GB/s, read + write) and matmul rate (TFLOP/s) measured here, in this run."""
+def ceilings(device, small=False):
+    """Copy bandwidth (GB/s, read + write) and matmul rate (TFLOP/s) measured here, in this run.
+    small: tiny sizes (the --smoke run checks the code, not the machine)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    nbytes = (4 << 30) if device == "cuda" else (512 << 20)
+    nbytes = (16 << 20) if small else (4 << 30) if device == "cuda" else (512 << 20)
     src = torch.empty(nbytes // 4, device=device).normal_()
     dst = torch.empty_like(src)
     def timed(f, repeats):
@@ -214,15 +245,92 @@ def ceilings(device):
         return statistics.median(times)
     copy_s = timed(partial(dst.copy_, src), 10)
     del src, dst
-    if device == "cuda":
+    if device == "cuda" and not small:
         a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         flops, dtype = 2 * 8192**3, "bf16"
+    elif small:
+        a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+        flops, dtype = 2 * 256**3, "fp32"
     else:
         a, b = torch.randn(2048, 1024), torch.randn(1024, 4096)  # the torch path's tile shape
         flops, dtype = 2 * 2048 * 1024 * 4096, "fp32"
-    mm_s = timed(lambda: a @ b, 5)
+    mm_s = timed(lambda: a @ b, 10 if device == "cuda" else 5)
     return {"copy_GBps": 2 * nbytes / copy_s / 1e9, "mm_TFLOPs": flops / mm_s / 1e12, "mm_dtype": dtype}
+
+
+def measure_in_process(fn, inputs, leaves, device, warmup, repeats):
+    """Time fn(*inputs) and its backward in this process: `warmup` untimed calls, then `repeats` timed ones
+    (CUDA events on CUDA, perf_counter elsewhere); peak memory beyond the inputs from the allocator's statistics,
+    reset before the first call. -> {"fwd_s", "total_s": medians, "fwd_extra", "total_extra": bytes}."""
+    cuda = device == "cuda"
+    grad_bytes = sum(t.numel() * t.element_size() for t in leaves)
+    memory = Memory(device)
+    memory.reset()
+    fwd_times, total_times, fwd_peak = [], [], None
+    for i in range(warmup + repeats):
+        for t in leaves:
+            t.grad = None
+        if cuda:
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        out = fn(*inputs)
+        loss = out.sum() if out.dim() else out
+        if cuda:
+            mid.record()
+        else:
+            t1 = time.perf_counter()
+        if fwd_peak is None:
+            fwd_peak = memory.peak_extra()  # first forward: no gradients exist yet
+        loss.backward()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            fwd_s, total_s = start.elapsed_time(mid) / 1e3, start.elapsed_time(end) / 1e3
+        else:
+            fwd_s, total_s = t1 - t0, time.perf_counter() - t0
+        del out, loss
+        if i >= warmup:
+            fwd_times.append(fwd_s)
+            total_times.append(total_s)
+    return {"fwd_s": statistics.median(fwd_times), "total_s": statistics.median(total_times),
+            "fwd_extra": fwd_peak, "total_extra": max(0, memory.peak_extra() - grad_bytes),
+            "threads": torch.get_num_threads(), "rounds": repeats}
+
+
+def run_in_process(device, cases, impl_filter, warmup, repeats, small_ceilings):
+    """The GPU runner (also the --smoke run on the CPU): ceilings, then every case's implementations one after
+    another in this process. A failing row (out of memory, a compile error) is reported and the rest go on."""
+    ceiling = ceilings(device, small=small_ceilings)
+    print_header(ceiling, device, torch.get_num_threads())  # rows print as they finish: a time limit keeps them
+    rows, eager = [], {}
+    for op, shape, dtype in cases:
+        impls = {name: fn for name, fn in IMPLS[op]().items() if impl_filter(name)}
+        try:
+            inputs, leaves = make_inputs(op, shape, getattr(torch, dtype), device)
+        except Exception as e:  # e.g. out of memory for the inputs themselves
+            for name in impls:
+                rows.append((op, shape, dtype, name, {"error": f"inputs: {type(e).__name__}: {e}"[:160]}))
+                print_row(rows[-1], ceiling, eager)
+            continue
+        for name, fn in impls.items():
+            try:
+                result = measure_in_process(fn, inputs, leaves, device, warmup, repeats)
+            except Exception as e:
+                result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
+            for t in leaves:
+                t.grad = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            rows.append((op, shape, dtype, name, result))
+            print(f"  {op} {shape} {dtype} {name}: {result}", file=sys.stderr, flush=True)
+            print_row(rows[-1], ceiling, eager)
+        del inputs, leaves
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows, ceiling
 
 
 def run_subprocess(args, timeout):
@@ -252,44 +360,84 @@ def fmt_time(seconds):
     return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds * 1e3:.0f}"
 
 
-def print_table(rows, ceiling, device):
-    threads = next((r[-1]["threads"] for r in rows if "threads" in r[-1]), "?")
-    print(f"\n## {device}: copy {ceiling['copy_GBps']:.1f} GB/s, matmul {ceiling['mm_TFLOPs'] * 1e3:.1f} "
-          f"GFLOP/s ({ceiling['mm_dtype']}), {threads} threads\n")
+def print_header(ceiling, device, threads="?"):
+    mm = (f"{ceiling['mm_TFLOPs']:.1f} TFLOP/s" if ceiling["mm_TFLOPs"] >= 1
+          else f"{ceiling['mm_TFLOPs'] * 1e3:.1f} GFLOP/s")
+    where = torch.cuda.get_device_name() if device == "cuda" else f"{threads} threads"
+    print(f"\n## {device}: copy {ceiling['copy_GBps']:.1f} GB/s, matmul {mm} ({ceiling['mm_dtype']}), {where}, "
+          f"torch {torch.__version__}\n")
     header = ["op", "shape", "dtype", "impl", "fwd ms", "fwd+bwd ms", "fwd rate", "fwd %ceil", "f+b rate",
               "f+b %ceil", "fwd extra MiB", "f+b extra MiB", "time vs eager", "mem vs eager"]
     print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print("|" + "---|" * len(header), flush=True)
+
+
+def print_row(row, ceiling, eager):
+    """One table row; eager: (op, shape, dtype) -> the torch-eager result of that shape (filled as rows come)."""
+    op, shape, dtype, impl, result = row
+    prefix = [op, "x".join(map(str, shape)), dtype, impl]
+    if "error" in result:
+        print("| " + " | ".join(prefix + [f"failed: {result['error']}"] + [""] * 9) + " |", flush=True)
+        return
+    if impl == "torch eager":
+        eager[(op, shape, dtype)] = result
+    byte_units, flop_units = work_units(op, shape)
+    rates = []
+    for units_index, seconds in ((0, result["fwd_s"]), (1, result["total_s"])):
+        if byte_units is not None:
+            gbps = byte_units[units_index] * getattr(torch, dtype).itemsize / seconds / 1e9
+            rates += [f"{gbps:.1f} GB/s", f"{100 * gbps / ceiling['copy_GBps']:.0f}%"]
+        else:
+            tflops = flop_units[units_index] / seconds / 1e12
+            rates += [f"{tflops * 1e3:.1f} GFLOP/s" if tflops < 1 else f"{tflops:.1f} TFLOP/s",
+                      f"{100 * tflops / ceiling['mm_TFLOPs']:.0f}%"]
+    base = eager.get((op, shape, dtype))
+    vs = ["", ""]
+    if base:
+        vs = [f"{result['total_s'] / base['total_s']:.2f}x",
+              f"{result['total_extra'] / max(base['total_extra'], 1):.3f}x"]
+    print("| " + " | ".join(prefix + [fmt_time(result["fwd_s"]), fmt_time(result["total_s"]), rates[0],
+                                      rates[1], rates[2], rates[3], f"{result['fwd_extra'] / 2**20:.0f}",
+                                      f"{result['total_extra'] / 2**20:.0f}"] + vs) + " |", flush=True)
+
+
+def print_table(rows, ceiling, device):
+    threads = next((r[-1]["threads"] for r in rows if "threads" in r[-1]), "?")
+    print_header(ceiling, device, threads)
     eager = {}
-    for op, shape, dtype, impl, result in rows:
-        if impl == "torch eager" and "error" not in result:
-            eager[(op, shape, dtype)] = result
-    for op, shape, dtype, impl, result in rows:
-        prefix = [op, "x".join(map(str, shape)), dtype, impl]
-        if "error" in result:
-            print("| " + " | ".join(prefix + [f"failed: {result['error']}"] + [""] * 9) + " |")
+    for row in rows:
+        print_row(row, ceiling, eager)
+
+
+def goals_summary(rows, ceiling):
+    """The issue's goals on a GPU, read off the table at the largest N (16384 on CUDA): the logits op's forward
+    at >= 85% of the copy bandwidth; the fused linear ops' forward + backward at >= 65% of the matmul rate with
+    <= 1/20 of eager's extra memory."""
+    results = {(op, shape, impl): r for op, shape, dtype, impl, r in rows if "error" not in r}
+    n_goal = max((shape[0] for _, shape, _ in results), default=0)
+    print(f"\ngoals (bf16, N = {n_goal}):")
+    for (op, shape, impl), r in results.items():
+        if impl != "ppo_kernels" or shape[0] != n_goal or op == "linear-autocast":
             continue
         byte_units, flop_units = work_units(op, shape)
-        rates = []
-        for units_index, seconds in ((0, result["fwd_s"]), (1, result["total_s"])):
-            if byte_units is not None:
-                gbps = byte_units[units_index] * getattr(torch, dtype).itemsize / seconds / 1e9
-                rates += [f"{gbps:.1f} GB/s", f"{100 * gbps / ceiling['copy_GBps']:.0f}%"]
-            else:
-                tflops = flop_units[units_index] / seconds / 1e12
-                rates += [f"{tflops * 1e3:.1f} GFLOP/s" if tflops < 1 else f"{tflops:.1f} TFLOP/s",
-                          f"{100 * tflops / ceiling['mm_TFLOPs']:.0f}%"]
-        base = eager.get((op, shape, dtype))
-        vs = ["", ""]
-        if base:
-            vs = [f"{result['total_s'] / base['total_s']:.2f}x",
-                  f"{result['total_extra'] / max(base['total_extra'], 1):.3f}x"]
-        print("| " + " | ".join(prefix + [fmt_time(result["fwd_s"]), fmt_time(result["total_s"]), rates[0],
-                                          rates[1], rates[2], rates[3], f"{result['fwd_extra'] / 2**20:.0f}",
-                                          f"{result['total_extra'] / 2**20:.0f}"] + vs) + " |", flush=True)
+        if op == "logits":
+            share = byte_units[0] * 2 / r["fwd_s"] / 1e9 / ceiling["copy_GBps"]
+            print(f"  token_logprobs forward: {100 * share:.0f}% of copy bandwidth (goal >= 85%): "
+                  f"{'met' if share >= 0.85 else 'NOT met'}")
+            continue
+        share = flop_units[1] / r["total_s"] / 1e12 / ceiling["mm_TFLOPs"]
+        eager = results.get((op, shape, "torch eager"))
+        memory = r["total_extra"] / max(eager["total_extra"], 1) if eager else float("nan")
+        met = share >= 0.65 and memory <= 1 / 20
+        name = {"linear": "linear_token_logprobs", "loss": "linear_policy_loss"}.get(op, op)
+        print(f"  {name} forward + backward: {100 * share:.0f}% of the matmul rate (goal >= 65%), extra memory "
+              f"{memory:.3f}x eager (goal <= 0.050x): {'met' if met else 'NOT met'}")
 
 
-def configs(device, quick):
+def configs(device, quick, smoke=False):
+    if smoke:  # the GPU runner's cases at toy size, bf16 as on a GPU (the Triton interpreter on the CPU)
+        return [("logits", (64, 512), "bfloat16"), ("linear", (64, 64, 512), "bfloat16"),
+                ("linear-autocast", (64, 64, 512), "float32"), ("loss", (64, 64, 512), "bfloat16")]
     if device == "cpu":
         if quick:
             return [("logits", (64, 4096), "float32"), ("linear", (128, 64, 4096), "float32"),
@@ -298,17 +446,84 @@ def configs(device, quick):
                 ("linear", (2048, 1024, 151936), "float32"),
                 ("loss", (2048, 1024, 151936), "float32")]
     if quick:
-        return [("logits", (1024, 151936), "bfloat16"), ("linear", (1024, 1024, 151936), "bfloat16")]
-    return [("logits", (16384, 151936), "bfloat16"), ("linear", (16384, 4096, 151936), "bfloat16"),
-            ("loss", (16384, 4096, 151936), "bfloat16")]
+        return [("logits", (1024, 151936), "bfloat16"), ("linear", (1024, 1024, 151936), "bfloat16"),
+                ("linear-autocast", (1024, 1024, 151936), "float32"), ("loss", (1024, 1024, 151936), "bfloat16")]
+    # N = kept tokens per micro-batch: 1024 and 4096 are PPO's usual sizes, where a forward parallel over rows
+    # only fills few of the SMs; 16384 is the issue's goal shape, measured first (rows print as they finish, so
+    # a time limit cuts the least important ones). H = 4096, V = 151936 (Qwen3-8B's head).
+    H, V = 4096, 151936
+    return [("logits", (16384, V), "bfloat16"), ("linear", (16384, H, V), "bfloat16"),
+            ("loss", (16384, H, V), "bfloat16"),
+            ("logits", (4096, V), "bfloat16"), ("linear", (4096, H, V), "bfloat16"),
+            ("linear-autocast", (4096, H, V), "float32"), ("loss", (4096, H, V), "bfloat16"),
+            ("linear", (1024, H, V), "bfloat16"), ("loss", (1024, H, V), "bfloat16")]
+
+
+def autocast_summary(rows):
+    """One line: the fused head on fp32 inputs under bf16 autocast against the same head on bf16 inputs."""
+    times = {(op, shape): r["total_s"] for op, shape, dtype, impl, r in rows
+             if impl == "ppo_kernels" and "error" not in r}
+    for (op, shape), t in times.items():
+        if op == "linear-autocast" and ("linear", shape) in times:
+            ratio = t / times[("linear", shape)]
+            verdict = ("" if not torch.cuda.is_available() else ": the bf16 path" if ratio < 1.5
+                       else ": NOT the bf16 path (fp32 kernels under autocast)")
+            print(f"\nlinear_token_logprobs {'x'.join(map(str, shape))}: fp32 inputs under bf16 autocast take "
+                  f"{ratio:.2f}x the bf16-input time{verdict}")
+
+
+def mm_fp32_path(device):
+    """How the bf16 backward's fp32-output matmuls run on this torch (ppo_kernels' probe, cached), or None."""
+    try:
+        from ppo_kernels.linear_logprobs import mm_fp32_path as probe
+    except ImportError:  # a ppo_kernels that does not record it
+        return None
+    try:
+        return probe(device, torch.bfloat16)
+    except Exception as e:
+        return f"probe failed: {type(e).__name__}: {e}"
+
+
+def run_cpu_subprocesses(args):
+    """The CPU table: one fresh process per measurement (its own VmHWM), rounds interleaving the rows."""
+    ceiling_runs, rows = [], []
+    for op, shape, dtype in configs("cpu", args.quick):
+        if args.only and op != args.only:
+            continue
+        impl_names = [n for n in IMPLS[op]() if not (args.no_compile and n == "torch.compile")]
+        results = {impl: [] for impl in impl_names}
+        # Rounds over the implementations, each timed once per round: a shared machine's load drifts over
+        # minutes, and interleaving spreads that drift over every row instead of favouring one.
+        for round_index in range(args.repeats):
+            ceiling_runs.append(run_subprocess(["--ceilings", "cpu"], args.timeout))
+            for impl in impl_names:
+                compiled = impl == "torch.compile" or impl.startswith("liger LigerFused")
+                spec = {"op": op, "impl": impl, "shape": shape, "dtype": dtype, "device": "cpu",
+                        "warmup": 1 if compiled else 0, "repeats": 1}
+                result = run_subprocess(["--worker", json.dumps(spec)], args.timeout)
+                results[impl].append(result)
+                print(f"  round {round_index} {op} {shape} {impl}: {result}", file=sys.stderr, flush=True)
+        for impl in impl_names:
+            rows.append((op, shape, dtype, impl, merge(results[impl])))
+    ceiling = {"copy_GBps": max(c.get("copy_GBps", 0) for c in ceiling_runs),
+               "mm_TFLOPs": max(c.get("mm_TFLOPs", 0) for c in ceiling_runs),
+               "mm_dtype": ceiling_runs[0].get("mm_dtype", "?")}
+    return rows, ceiling
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes: check that every row runs")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small shapes: check that every row runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the CUDA runner (one process, device-made inputs) at toy shapes on --device (cpu: "
+                             "ppo_kernels on the Triton interpreter when TRITON_INTERPRET=1 and PPO_KERNELS_BACKEND=triton)")
     parser.add_argument("--only", choices=sorted(IMPLS), help="run one op")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds: each row is timed once per round")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per row")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed calls per row (CUDA, --smoke) or rounds of one call each (CPU)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones (CUDA, --smoke)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per row (CPU subprocesses)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--ceilings", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -318,31 +533,24 @@ def main():
     if args.ceilings:
         print(json.dumps(ceilings(args.ceilings)))
         return
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device in devices:
-        ceiling_runs, rows = [], []
-        for op, shape, dtype in configs(device, args.quick):
-            if args.only and op != args.only:
-                continue
-            impl_names = list(IMPLS[op]().keys())  # only what is installed and defined
-            results = {impl: [] for impl in impl_names}
-            # Rounds over the implementations, each timed once per round: a shared machine's load drifts over
-            # minutes, and interleaving spreads that drift over every row instead of favouring one.
-            for round_index in range(args.repeats):
-                ceiling_runs.append(run_subprocess(["--ceilings", device], args.timeout))
-                for impl in impl_names:
-                    compiled = impl == "torch.compile" or impl.startswith("liger LigerFused")
-                    spec = {"op": op, "impl": impl, "shape": shape, "dtype": dtype, "device": device,
-                            "warmup": 1 if (compiled or device == "cuda") else 0, "repeats": 1}
-                    result = run_subprocess(["--worker", json.dumps(spec)], args.timeout)
-                    results[impl].append(result)
-                    print(f"  round {round_index} {op} {shape} {impl}: {result}", file=sys.stderr, flush=True)
-            for impl in impl_names:
-                rows.append((op, shape, dtype, impl, merge(results[impl])))
-        ceiling = {"copy_GBps": max(c.get("copy_GBps", 0) for c in ceiling_runs),
-                   "mm_TFLOPs": max(c.get("mm_TFLOPs", 0) for c in ceiling_runs),
-                   "mm_dtype": ceiling_runs[0].get("mm_dtype", "?")}
-        print_table(rows, ceiling, device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/kernels.py: --device cuda but torch sees no CUDA device")
+    if args.device == "cpu" and not args.smoke:
+        rows, ceiling = run_cpu_subprocesses(args)
+        print_table(rows, ceiling, args.device)
+    else:
+        cases = [c for c in configs(args.device, args.quick, args.smoke) if not args.only or c[0] == args.only]
+        no_compile = args.no_compile or args.smoke  # the smoke run checks code paths, not inductor on a CPU
+        rows, ceiling = run_in_process(args.device, cases, lambda name: not (no_compile and name == "torch.compile"),
+                                       args.warmup, args.repeats, small_ceilings=args.smoke)
+    autocast_summary(rows)
+    if args.device == "cuda" or args.smoke:
+        goals_summary(rows, ceiling)
+    path = mm_fp32_path(args.device)
+    if path:
+        print(f"fp32-output matmul of the bf16 backward on {args.device}: {path}")
+    if args.smoke and any("error" in r[-1] for r in rows):
+        sys.exit("bench/kernels.py --smoke: a row failed (see the table)")
 
 
 def merge(runs):

@@ -1,8 +1,12 @@
 """Without a GPU, run the Triton kernels through Triton's CPU interpreter (must be set before triton is imported)."""
 import os
 
-import pytest
-import torch
+# Before torch initialises CUDA: tests turn on deterministic algorithms (`poisoned_empty`), under which every
+# cuBLAS call raises unless this is set; cuBLAS reads it once, at its first call in the process.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

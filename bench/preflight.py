@@ -1,0 +1,87 @@
+"""Before any GPU step: is everything importable, and does a Triton kernel launch? (bench/gpu_suite.sh step 1)
+
+    python bench/preflight.py
+
+Prints the version of each package the suite uses (or what is missing), the device, and launches one trivial
+Triton kernel: its first launch builds Triton's C launcher stub with the system compiler and Python.h, a
+failure of its own that would otherwise surface inside the first kernel test. Exit status: 2 if ppo_core or
+ppo_kernels cannot be imported (nothing after this can run), 1 if something else needed is missing or the
+kernel fails, 0 otherwise. transformers is optional (reference rows and parity tests only).
+"""
+import importlib
+import os
+import sys
+import time
+
+REQUIRED = ["torch", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "pytest"]
+OPTIONAL = ["transformers", "liger_kernel", "trl"]
+
+
+def version_of(name):
+    module = importlib.import_module(name)
+    return getattr(module, "__version__", "?"), getattr(module, "__file__", "?")
+
+
+def main():
+    status = 0
+    for name in REQUIRED + OPTIONAL:
+        try:
+            version, _ = version_of(name)
+            print(f"  {name:<13} {version}")
+        except Exception as e:
+            kind = "optional, " if name in OPTIONAL else ""
+            print(f"  {name:<13} MISSING ({kind}{type(e).__name__}: {e})")
+            if name in REQUIRED:
+                status = 1
+    for name in ("ppo_core", "ppo_kernels"):
+        try:
+            _, path = version_of(name)
+            print(f"  {name:<13} {os.path.dirname(path)}")
+        except Exception as e:
+            print(f"  {name:<13} CANNOT BE IMPORTED: {type(e).__name__}: {e}")
+            print("preflight: ppo_core / ppo_kernels are not importable; nothing after this step can run")
+            return 2
+
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        print(f"  device        {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+              f"{props.multi_processor_count} SMs, CUDA {torch.version.cuda}, "
+              f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG', '(unset)')}")
+        device = "cuda"
+    else:
+        print(f"  device        CPU only (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})")
+        device = "cpu"
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def add_one(x_ptr, n, BLOCK: tl.constexpr):
+            offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1.0, mask=mask)
+
+        x = torch.arange(1000, dtype=torch.float32, device=device)
+        t0 = time.perf_counter()
+        add_one[(triton.cdiv(1000, 256),)](x, 1000, BLOCK=256)
+        ok = torch.equal(x.cpu(), torch.arange(1000, dtype=torch.float32) + 1)
+        print(f"  triton kernel {'ran' if ok else 'gave WRONG values'} on {device} "
+              f"(first launch, compile included: {time.perf_counter() - t0:.1f} s)")
+        status = status or (0 if ok else 1)
+    except Exception as e:
+        print(f"  triton kernel FAILED: {type(e).__name__}: {str(e)[:300]}")
+        status = status or 1
+    from ppo_kernels import linear_logprobs
+    if device == "cuda" and hasattr(linear_logprobs, "mm_fp32_path"):  # probed once, on a 16x16 matmul
+        try:
+            print(f"  fp32-output matmul of the bf16 backward: {linear_logprobs.mm_fp32_path(device, torch.bfloat16)}")
+        except Exception as e:
+            print(f"  fp32-output matmul probe FAILED: {type(e).__name__}: {str(e)[:300]}")
+            status = status or 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
