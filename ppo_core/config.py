@@ -148,6 +148,8 @@ class PPOConfig:
     fused_kernels: bool = True
     """Use ppo_kernels' fused paths: LM head + log-probs for the old/reference log-probs, LM head + clipped loss
     for the update. False = the plain torch reference (full logits, log_softmax + gather, ppo_core.algo)."""
+    cuda_graph: bool = True
+    """Capture the rollout decode step as a CUDA graph on CUDA devices (one launch per token); ignored on the CPU."""
     parallel: str = "ddp"
     """With more than one process (torchrun): 'ddp' replicates policy and critic (DistributedDataParallel);
     'fsdp' shards them with FSDP2 (fully_shard per decoder block, sharded checkpoints for resume)."""

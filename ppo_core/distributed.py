@@ -12,6 +12,17 @@ single-process gradient of the same batch. Two ways to spread the trainable mode
             all-gathered for its forward/backward and the gradients reduce-scattered (summed: divide
             factor 1). For decoding, `gathered` all-gathers the weights once for the whole generate call.
 With one process every helper here is the identity and the models are used as they are.
+
+Devices. On CUDA the process group has two backends, "cpu:gloo,cuda:nccl": NCCL for tensors on the GPU,
+gloo for any CPU tensor; the loop's own collectives (counts, statistics, gathered rows, `all_reduce_max_int`)
+run on the loop's device. On the CPU it is gloo alone.
+
+Precision, one rule for 1 and N processes: the parameters keep the run's dtype (fp32 master weights with
+dtype='auto') and compute happens under the same bf16 autocast as on one GPU, so norms, the residual stream
+and the LM head stay fp32 exactly as in a single-process run. FSDP therefore all-gathers fp32 parameters
+(no MixedPrecisionPolicy param_dtype: bf16 parameters would make every norm, the residual stream and the head
+bf16, numerics no single process uses) and reduces gradients in fp32. The price is twice the all-gather
+bytes of bf16 parameters.
 """
 import contextlib
 import os
@@ -20,19 +31,24 @@ import torch
 import torch.distributed as dist
 
 
+_device = torch.device("cpu")  # the loop's device, set by init: where this module's own tensors live
+
+
 def init(device_kind: str):
     """Join the process group when launched by torchrun. Returns (rank, world_size, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device_kind == "cuda" else "gloo"
-        dist.init_process_group(backend)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    global _device
+    _device = torch.device("cpu")
     if device_kind == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
+        _device = torch.device("cuda", local)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        # NCCL for CUDA tensors and gloo for CPU ones: NCCL alone cannot reduce a CPU tensor
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return rank, world, _device
 
 
 def world_size():
@@ -53,7 +69,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 def all_reduce_max_int(x: int) -> int:
     if not dist.is_initialized():
         return x
-    t = torch.tensor([x], dtype=torch.long)
+    t = torch.tensor([x], dtype=torch.long, device=_device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -84,18 +100,17 @@ def replicate(model, device):
     return ddp
 
 
-def shard(model, device, *, root=True, mixed_precision=False, cpu_offload=False):
+def shard(model, device, *, root=True, cpu_offload=False):
     """FSDP2: `fully_shard` every decoder block, then (root=True) the model itself, which holds the
     embeddings, the final norm and the head. Gradients are summed over processes, not averaged.
     root=False leaves those replicated (a frozen model whose head runs outside forward, e.g. score()).
-    mixed_precision: bf16 parameters for compute and all-gathers, fp32 gradient reduction (fp32 master
-    weights stay in the shards). cpu_offload: shards, gradients and optimizer state in CPU memory."""
+    Parameters are all-gathered in their own dtype and gradients reduced in fp32 (see the module docstring:
+    the same numerics as one process). cpu_offload: shards, gradients and optimizer state in CPU memory."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mesh": init_device_mesh(device.type, (world_size(),))}
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mesh": init_device_mesh(device.type, (world_size(),)),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.model.layers:

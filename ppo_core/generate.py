@@ -20,6 +20,10 @@ row per step, in one of two ways (the same tokens, tests/test_generate.py):
       only, with no mask unless the prompt had padding: less attention work while the cache is mostly empty
       (on 2 CPU cores: as fast as the static step at 32 prompt + 64 new tokens, 7% faster at 32 + 512).
 
+Precision: under a CUDA autocast region (the trainer's dtype='auto' on a GPU) the matmuls read bf16 copies of
+the weights (autocast's cast cache holds one per parameter for the region) and the KV cache is kept in the autocast
+dtype: half the bytes per decoded token of fp32. Otherwise the cache takes the parameters' dtype.
+
 Speed on the CPU: float32 models multiply with oneDNN-packed weight copies for the duration of the call
 (`cpu_packed_weights`, about 2x faster than MKL's sgemm at these batch sizes). bench/generate.py measures it.
 """
@@ -67,9 +71,25 @@ class CUDAGraphStep:
     step at once. This is possible because the step's shapes never change and it reads its slot and positions
     from device tensors that it advances in place (model.Backbone.decode_step). Capture follows
     torch.cuda.graphs: warm-up calls on a side stream first (cuBLAS handles, allocator); each warm-up writes the
-    slot the first real step overwrites, and the counters it advances are put back afterwards."""
+    slot the first real step overwrites, and the counters it advances are put back afterwards.
+
+    Inside an autocast region. torch.cuda.make_graphed_callables refuses autocast's cast cache because a graph
+    would read cached casts that the cache frees when the region ends. Here the warm-up runs in the caller's region
+    first, so every fp32 -> bf16 weight cast happens there and is cached (autocast caches the casts of leaves that
+    require grad); the capture then finds each cast in the cache, records no cast kernel and reads the cached bf16
+    weights directly. The cache lives until the outermost autocast region exits, after `generate` returns, so
+    every replay of this step (it lives for one generate call) reads live memory, and the weights are cast once
+    per call, not once per token (what cache_enabled=False would cost). Hence: build and replay a CUDAGraphStep
+    inside one autocast region, never across its exit. A frozen weight (LoRA's base) is not cached: its cast is
+    captured and re-run by every replay, correct but one more full weight read per token.
+
+    The graph also reads the RoPE tables (model.Backbone._rope_tables) by address: `self.rope_tables` keeps the
+    tensors alive, so a later forward that regrows a table cannot free memory that a replay still reads."""
 
     def __init__(self, model: CausalLM, cache: KVCache, warmup=3):
+        if warmup < 1:
+            raise ValueError("CUDAGraphStep: warmup must be at least 1 (it fills the autocast cast cache and "
+                             "the RoPE tables before capture)")
         self.cache = cache
         self.input_ids = torch.zeros(cache.mask.shape[0], 1, dtype=torch.long, device=cache.mask.device)  # [B, 1]
         side = torch.cuda.Stream()
@@ -85,6 +105,7 @@ class CUDAGraphStep:
         with torch.cuda.graph(self.graph):  # records the kernels; runs nothing
             self.logits = model.decode_step(self.input_ids, cache)  # [B, 1, V]
         cache.length -= 1  # the capture's host-side increment; replays advance it below
+        self.rope_tables = dict(model.model._rope_tables)  # the tensors the graph reads, kept alive (G2)
 
     def __call__(self, input_ids):
         self.input_ids.copy_(input_ids)
@@ -137,8 +158,11 @@ def generate(
     if eos_token_id is None:
         stop_at_eos = False
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(model.args, B, P + max_new_tokens, device, dtype)
+    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        cache_dtype = torch.get_autocast_dtype("cuda")  # k, v come out of autocast's matmuls in this dtype
+    else:
+        cache_dtype = next(model.parameters()).dtype
+    cache = KVCache(model.args, B, P + max_new_tokens, device, cache_dtype)
 
     if cpu_packed_weights is None:
         cpu_packed_weights = can_pack_for_cpu(model)

@@ -7,7 +7,8 @@
 One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO"):
   1. rollout:  sample one response per prompt from the policy (KV-cache decoding)
   2. forward:  old log-probs and entropy (policy), reference log-probs, values (critic), all with the
-               training code path, so the first minibatch's ratio is exactly 1
+               training code path, so the first minibatch's ratio is exactly 1 on the CPU (on a GPU, GEMM
+               and attention kernels chosen by batch shape make it ~1e-3 off under bf16 autocast)
   3. score:    the reward function or model gives one scalar per response
   4. rewards:  r_t = -beta * KL_t on every token, + score on the last real token (ppo_core.algo)
   5. GAE:      advantages and returns; advantages whitened over the batch
@@ -133,21 +134,24 @@ def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
     return ids, mask
 
 
-def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, encoded=None):
+def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, encoded=None,
+                     autocast=contextlib.nullcontext):
     """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
     response_mask [B, R], decoded responses, ended_with_eos [B]).
 
     rows = (offset, global_batch): these prompts are rows offset.. of a batch of global_batch spread
     over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
-    whatever the number of processes. encoded: the prompts' token ids, when the caller has them already."""
+    whatever the number of processes. encoded: the prompts' token ids, when the caller has them already.
+    autocast: the training passes' autocast; decoding under it reads bf16 copies of the weights (autocast's
+    cast cache keeps one per call) and keeps a bf16 KV cache (generate picks the autocast dtype)."""
     device = next(policy.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded or prompts, device, pad_to, cfg)
     eos = tokenizer.eos_token_id
-    with dist.gathered(policy):  # FSDP: full weights for the whole call, no collective per decoding step
+    with dist.gathered(policy), autocast():  # FSDP: full weights for the whole call, no collective per step
         tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
                           eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
-                          global_rows=rows)
+                          global_rows=rows, cuda_graph=cfg.cuda_graph and device.type == "cuda")
     # The response is every token up to and including the first EOS.
     is_eos = tokens == eos
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # [B, R] strictly after the first EOS
@@ -162,7 +166,7 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
                     pad_to, rows, encoded):
     policy.eval()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(
-        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded)
+        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast)
     input_ids = torch.cat([prompt_ids, tokens], dim=1)  # [B, P+R]
     attention_mask = torch.cat([prompt_mask, response_mask.bool()], dim=1)
     P = prompt_ids.shape[1]
@@ -174,14 +178,16 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
             ref_lp, _ = reference_logprobs(policy, reference, *args)
             v = response_values(critic, input_ids[mb], attention_mask[mb], P)
         old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
-    scores = reward_source(prompts, responses)  # [B] float32, validated
+    with autocast():  # a reward model scores under the same autocast as the policy passes
+        scores = reward_source(prompts, responses)  # [B] float32 (on the CPU for a reward function), validated
     return Rollout(prompts, responses, input_ids, attention_mask, response_mask, P,
                    torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(old_values) * response_mask,
                    torch.cat(entropy), scores.to(input_ids.device)), ended
 
 
 def micro_batches(n, size, order=None):
-    """Index tensors of consecutive chunks of `order` (default 0..n-1)."""
+    """Index tensors of consecutive chunks of `order` (default 0..n-1, on the CPU: indexing a CUDA tensor with a
+    CPU index tensor is allowed and copies the index over)."""
     order = torch.arange(n) if order is None else order
     return [order[i : i + size] for i in range(0, n, size)]
 
@@ -243,7 +249,7 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
     else:
         logp = response_head(policy, ids, am, P, reference_head)
         loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, **agg)
-    kl_loss = torch.zeros(())
+    kl_loss = torch.zeros((), device=ids.device)  # on the loop's device: stacked with the losses below
     if kl_in_loss:
         kl_loss = algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
                                  num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
@@ -259,63 +265,93 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
     Minibatches are drawn from one permutation of the GLOBAL batch (the same on every process); each
     process runs the rows of the minibatch that it holds, in micro-batches, and the gradients are summed
     across processes (DDP / FSDP, on the last micro-batch) before `step_fn` steps the optimizers.
-    `policy` and `critic` are what training forwards run through (a DDP wrapper, an FSDP or plain model)."""
+    `policy` and `critic` are what training forwards run through (a DDP wrapper, an FSDP or plain model).
+
+    Host reads. On a GPU every read of a device value on the host (.item(), .tolist(), bool()) waits for all
+    the work queued before it, so the loop makes them in one place per optimizer step: `minibatch_gradients`
+    only queues device work; then `_read_step_stats` copies the step's statistics to the host in one read,
+    and `step_fn` (Optimizers.step) reads whether the gradients are finite. Shuffling and row selection are
+    host work on CPU tensors, no device read. (The model's forward reads whether the attention mask has
+    padding: ppo_core.model.) tests/test_fake_cuda.py runs this on fake CUDA tensors and checks where reads are."""
     policy.train(), critic.train()
-    b, P = rollout.input_ids.shape[0], rollout.prompt_len
+    b = rollout.input_ids.shape[0]
     world, lo = dist.world_size(), dist.rank() * b
     stats: dict[str, list] = {}
     first_ratio_dev = None
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(b * world, generator=generator)
+        order = torch.randperm(b * world, generator=generator)  # [b*world] CPU, the same on every process
         for start in range(0, b * world, cfg.minibatch_size):
             mb_global = order[start : start + cfg.minibatch_size]
-            mb = mb_global[(mb_global >= lo) & (mb_global < lo + b)] - lo  # this process's rows
-            mask_mb = rollout.response_mask[mb]
-            # Global denominators for the whole minibatch, so the micro-batch losses of all processes
-            # add up to the minibatch's loss (and their gradients to its gradient).
-            counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))
-            agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+            mb = mb_global[(mb_global >= lo) & (mb_global < lo + b)] - lo  # this process's rows (CPU)
             # Every process runs as many micro-batches as the busiest one (their gradient reductions pair
-            # up); a process short of rows runs one of its rows with no token in the loss (gradient 0).
-            chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
-            n_micro = dist.all_reduce_max_int(len(chunks))
-            # Sums over this minibatch's micro-batches (and, after the all-reduce, over processes):
-            # losses (already normalised by the global counts) and token-weighted statistics.
-            sums = torch.zeros(len(MB_STATS), dtype=torch.float64)
-            for i in range(n_micro):
-                rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
-                ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
-                if i >= len(chunks):
-                    rm = torch.zeros_like(rm)
-                last = i == n_micro - 1
-                with dist.gradient_sync(policy, last):
-                    with autocast():
-                        loss, pg_loss, kl_loss, pg_stats = policy_objective(
-                            policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
-                            rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
-                    loss.backward()
-                with dist.gradient_sync(critic, last):
-                    with autocast():
-                        values = response_values(critic, ids, am, P).float()
-                    vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
-                                                        clip=cfg.value_clip or None, **agg)
-                    vf_loss.backward()
-                if first_ratio_dev is None:
-                    first_ratio_dev = pg_stats["ratio_max_dev"].item()
-                n = rm.sum()
-                sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss, pg_stats["clipfrac"] * n,
-                                     pg_stats["approx_kl"] * n, vf_stats["clipfrac"] * n]).double()
-            sums = dist.all_reduce_sum(sums)
-            tokens = max(counts[0].item(), 1.0)
-            for name, value, per_token in zip(MB_STATS, sums.tolist(), MB_STATS_PER_TOKEN):
+            # up); each process knows every process's rows from the shared permutation, so no collective.
+            rows_per_process = (mb_global[None, :] // b == torch.arange(world)[:, None]).sum(-1)  # [world] CPU
+            n_micro = -(-int(rows_per_process.max()) // cfg.micro_batch_size)  # ceil
+            sums, counts, first_ratio = minibatch_gradients(policy, critic, rollout, mb, n_micro, cfg, kl_coef, autocast)
+            values, tokens, ratio_dev = _read_step_stats(sums, counts, first_ratio)
+            for name, value, per_token in zip(MB_STATS, values, MB_STATS_PER_TOKEN):
                 _append(stats, name, value / tokens if per_token else value)
+            if first_ratio_dev is None:
+                first_ratio_dev = ratio_dev
             step_fn()
     out = {k: float(np.mean(v)) for k, v in stats.items()}  # means over the optimizer steps
     if cfg.kl_in_reward:
         out.pop("policy/kl_loss")
-    # rank 0's first micro-batch (every process's first ratio is exactly 1 by construction)
+    # rank 0's first micro-batch: old log-probs come from the training code path, so every process's first ratio
+    # is exactly 1 on the CPU; on a GPU, kernels picked by batch shape (cuBLAS, SDPA) make it ~1e-3 off under bf16
     out["policy/first_ratio_max_dev"] = first_ratio_dev
     return out
+
+
+def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOConfig, kl_coef, autocast):
+    """Forward and backward of policy and critic over this process's rows `mb` (a CPU index tensor) of one
+    minibatch, in n_micro micro-batches (a process short of rows runs one of its rows with no token in the loss:
+    gradient 0); gradients accumulate in .grad and are summed over processes on the last micro-batch.
+
+    Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
+    float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
+    global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
+    sequence counts) and first_ratio_dev [] (max |ratio - 1| of the first micro-batch)."""
+    device, P = rollout.input_ids.device, rollout.prompt_len
+    mask_mb = rollout.response_mask[mb]
+    # Global denominators for the whole minibatch, so the micro-batch losses of all processes
+    # add up to the minibatch's loss (and their gradients to its gradient).
+    counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
+    agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+    chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
+    sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
+    first_ratio_dev = None
+    for i in range(n_micro):
+        rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
+        ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
+        if i >= len(chunks):
+            rm = torch.zeros_like(rm)
+        last = i == n_micro - 1
+        with dist.gradient_sync(policy, last):
+            with autocast():
+                loss, pg_loss, kl_loss, pg_stats = policy_objective(
+                    policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
+                    rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
+            loss.backward()
+        with dist.gradient_sync(critic, last):
+            with autocast():
+                values = response_values(critic, ids, am, P).float()
+            vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
+                                                clip=cfg.value_clip or None, **agg)
+            vf_loss.backward()
+        if first_ratio_dev is None:
+            first_ratio_dev = pg_stats["ratio_max_dev"].detach()
+        n = rm.sum()
+        sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss, pg_stats["clipfrac"] * n,
+                             pg_stats["approx_kl"] * n, vf_stats["clipfrac"] * n]).double()
+    return dist.all_reduce_sum(sums), counts, first_ratio_dev
+
+
+def _read_step_stats(sums, counts, first_ratio_dev):
+    """The optimizer step's one read of statistics: sums, the token count and the first ratio's deviation
+    copied to the host together. -> (MB_STATS values, max(tokens, 1), first_ratio_dev) as Python floats."""
+    host = torch.cat([sums, counts[:1].double(), first_ratio_dev.double().view(1)]).tolist()
+    return host[: len(MB_STATS)], max(host[-2], 1.0), host[-1]
 
 
 MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/approx_kl", "value/clipfrac")
@@ -355,11 +391,13 @@ class Optimizers:
         finite, in which case no weight is touched and the update is counted as skipped."""
         cfg = self.cfg
         scale = lr_at(self.step_count, self.total_steps, cfg)
-        finite = True
+        norms = []
         for model in self.models:
             params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-            finite = finite and bool(torch.isfinite(dist.local_tensor(norm)))
+            if params:
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                norms.append(dist.local_tensor(norm).float())
+        finite = not norms or bool(torch.isfinite(torch.stack(norms)).all())  # the step's one host read of the gradients
         if finite:
             for opt, lr in ((self.policy_opt, cfg.lr), (self.critic_opt, cfg.critic_lr)):
                 for group in opt.param_groups:
@@ -380,8 +418,9 @@ class Optimizers:
 # ---------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False):
-    """Mean reward over held-out prompts, sampling with the run's temperature (or greedily).
+def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
+    """Mean reward over held-out prompts, sampling with the run's temperature (or greedily), under the
+    rollouts' autocast.
 
     Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
     Every process evaluates the same prompts (the held-out set is small)."""
@@ -390,8 +429,9 @@ def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False)
     scores = []
     for rows in micro_batches(len(prompts), 256):
         batch = [prompts[i] for i in rows.tolist()]
-        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy)
-        scores.append(reward_source(batch, texts))
+        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
+        with autocast():
+            scores.append(reward_source(batch, texts))
     return float(torch.cat(scores).mean())
 
 
@@ -406,21 +446,22 @@ def resolve_device_dtype(cfg):
     return device, param_dtype, use_autocast
 
 
-def spread_over_processes(policy, critic, reference, reward_source, cfg, device, mixed_precision):
+def spread_over_processes(policy, critic, reference, reward_source, cfg, device):
     """With more than one process: FSDP2-shard (cfg.parallel='fsdp') or DDP-wrap the trainable models, and
     shard the frozen ones too with cfg.shard_frozen under FSDP. Returns the modules that training forwards
-    run through: (policy, critic) themselves, or their DDP wrappers. One process: the models as they are."""
+    run through: (policy, critic) themselves, or their DDP wrappers. One process: the models as they are.
+    Every way computes in the precision of one process: the parameters' dtype, under the run's autocast."""
     if dist.world_size() == 1:
         return policy, critic
     if cfg.parallel == "ddp":
         return dist.replicate(policy, device), dist.replicate(critic, device)
     for model in (policy, critic):
-        dist.shard(model, device, mixed_precision=mixed_precision, cpu_offload=cfg.cpu_offload)
+        dist.shard(model, device, cpu_offload=cfg.cpu_offload)
     if cfg.shard_frozen:
         if reference is not policy:
-            dist.shard(reference, device, mixed_precision=mixed_precision)
+            dist.shard(reference, device)
         if hasattr(reward_source, "model"):  # its score() reads the head outside forward: keep the root whole
-            dist.shard(reward_source.model, device, root=False, mixed_precision=mixed_precision)
+            dist.shard(reward_source.model, device, root=False)
     return policy, critic
 
 
@@ -458,7 +499,7 @@ def run(cfg: PPOConfig, resume_from=None):
         raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
     policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
     reward_source = make_reward_source(cfg, device, param_dtype)
-    policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device, use_autocast)
+    policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     sharded = dist.is_sharded(policy)
     train_prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else []
     if cfg.eval_prompts_file:
@@ -507,8 +548,8 @@ def run(cfg: PPOConfig, resume_from=None):
     else:
         log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
                  f"run dir {run_dir.path}")
-        state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
-        state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
+        state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+        state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
         log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
                  f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - t0:.1f}s]")
         state["last_kl"] = 0.0
@@ -570,7 +611,7 @@ def run(cfg: PPOConfig, resume_from=None):
                 "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
             }
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
-                metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
+                metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
             log.metrics(metrics)
             last = it + 1 == cfg.iterations
             if last or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
@@ -580,8 +621,8 @@ def run(cfg: PPOConfig, resume_from=None):
                 raise StopRequested(f"received {stop.requested}; saved checkpoint at iteration {it + 1} of {cfg.iterations} "
                                     f"in {run_dir.path}; continue with: ppo-train --resume {run_dir.path}")
 
-    after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed)
-    after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True)
+    after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+    after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
     summary = {
         "eval/reward_before": state["eval_before"],
         "eval/reward_after": after,

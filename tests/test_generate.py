@@ -380,6 +380,21 @@ def test_cuda_graph_decoding_gives_the_tokens_of_eager_decoding(name):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_graph_under_bf16_autocast_gives_the_tokens_of_the_eager_static_step(name):
+    """On a GPU, as the trainer decodes (fp32 weights, bf16 autocast, bf16 KV cache): the replayed graph, which reads
+    the autocast cache's bf16 weights filled by the warm-up, gives the tokens and log-probs of the same step run
+    eagerly (the same kernels on the same inputs)."""
+    model = tiny(name).cuda()
+    ids, mask = (t.cuda() for t in prompts())
+    kw = dict(attention_mask=mask, stop_at_eos=False, static_cache=True, temperature=0.8, return_logprobs=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = ppo_core.generate(model, ids, 14, generator=torch.Generator("cuda").manual_seed(3), **kw)
+        graph = ppo_core.generate(model, ids, 14, generator=torch.Generator("cuda").manual_seed(3), cuda_graph=True, **kw)
+    assert torch.equal(graph[0], eager[0]) and torch.equal(graph[1], eager[1])
+
+
 def test_cuda_graph_needs_the_static_cache_on_cuda():
     model = tiny("qwen3")
     ids, mask = prompts()

@@ -1,0 +1,272 @@
+"""The GPU path's device audit, without a GPU: one whole PPO iteration on fake CUDA tensors.
+
+torch's FakeTensorMode runs every op on metadata only (shape, dtype, device) and raises when an op mixes
+devices, so a rollout (generate, old/reference log-probs, values, scores), the advantages and a policy + critic
+update with the real optimizers run here with every model and batch tensor on "cuda" and no GPU. Decoding runs
+the static-cache step (model.decode_step), the step a CUDA graph captures (the capture itself needs a GPU). On top
+of it, `DeviceAudit` (a dispatch mode):
+  - runs work on real CPU tensors for real (shuffling, row selection), as a GPU run would;
+  - rejects `cat`/`stack` of tensors on different devices, which real CUDA rejects but fake tensors let through
+    for a CPU 0-dim tensor;
+  - answers host reads (.item(), .tolist(), bool(), data-dependent shapes), which have no value on fake tensors,
+    and records where each read or copy to the host of a device value happens: the update must read in the
+    places ppo_core.train.ppo_update names.
+
+On a CPU-only build torch has no CUDA device guard, so indexing a fake CUDA tensor fails before reaching the fake
+mode: `_fake_cuda_runtime` compiles the no-op CUDA guard torch itself installed for this case in earlier releases
+(`torch._C._ensureCUDADeviceGuardSet`) into a tiny shared library. It is process-wide and permanent, so the audit
+runs in a fresh process (this file run as a script). The autograd engine needs a real CUDA runtime for its stream
+bookkeeping, so on a CPU-only build each backward is replaced by fake zero gradients (`FakeBackward`): the backward
+kernels are followed only on a CUDA build (where the rest runs as well). torch.autocast("cuda") turns itself off
+without CUDA, so `fake_cuda_autocast` sets its state directly.
+"""
+import contextlib
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ppo_kernels
+
+from ppo_core import train
+from ppo_core.config import build_config
+from ppo_core.model import load_model, load_score_model
+from ppo_core.rewards import make_reward_source
+from ppo_core.tasks import eval_prompts
+from ppo_core.tokenizer import load_tokenizer
+
+PPO_CORE = os.path.dirname(os.path.abspath(train.__file__))
+KERNELS = os.path.dirname(os.path.abspath(ppo_kernels.__file__))
+GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CUDA>);
+"""
+
+
+def _fake_cuda_runtime(tmp_dir):
+    """On a CPU-only build: a CUDA device guard for fake CUDA tensors (see above)."""
+    if torch.cuda.is_available():
+        return
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler to build the no-op CUDA device guard")
+    torch_dir = os.path.dirname(torch.__file__)
+    src, lib = os.path.join(tmp_dir, "guard.cpp"), os.path.join(tmp_dir, "fake_cuda_guard.so")
+    with open(src, "w") as f:
+        f.write(GUARD_SOURCE)
+    subprocess.run([compiler, "-shared", "-fPIC", "-std=c++17", f"-I{torch_dir}/include", src, f"-L{torch_dir}/lib",
+                    "-lc10", "-o", lib], check=True, capture_output=True, text=True)
+    import ctypes
+
+    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)  # its static initialiser registers the guard
+
+
+@contextlib.contextmanager
+def fake_cuda_autocast(dtype=torch.bfloat16):
+    """What `torch.autocast("cuda", dtype)` sets up, set directly (the context manager needs a real GPU)."""
+    enabled, old_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", old_dtype)
+
+
+def _caller():
+    """'file.py:function' of the innermost ppo_core or ppo_kernels frame on the stack (where a host read is)."""
+    for frame in inspect.stack(context=0)[2:]:
+        if os.path.dirname(os.path.abspath(frame.filename)) in (PPO_CORE, KERNELS):
+            return f"{os.path.basename(frame.filename)}:{frame.function}"
+    return "?"
+
+
+class DeviceAudit(TorchDispatchMode):
+    """Above a FakeTensorMode: strict device checks for cat, answers and records host reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.device_reads = []  # 'file.py:function' of each read of a CUDA value, in order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = kwargs.get("device")
+        if not any(isinstance(t, FakeTensor) for t in tensors) and (device is None or torch.device(device).type == "cpu"):
+            with unset_fake_temporarily():  # CPU work (shuffling, row selection, token ids) runs for real
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._to_copy.default and args[0].device.type != "cpu" and device is not None \
+                and torch.device(device).type == "cpu":
+            self.device_reads.append(_caller())  # a copy to the host waits for the device like a read
+        if func in (torch.ops.aten.cat.default, torch.ops.aten.stack.default):
+            devices = {t.device for t in args[0]}
+            if len(devices) > 1:
+                raise RuntimeError(f"{func}: Expected all tensors to be on the same device, got {sorted(map(str, devices))}")
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            if t.device.type != "cpu":
+                self.device_reads.append(_caller())
+            if t.dtype == torch.bool:  # gradients finite (update steps), a padded batch, decoding not done yet
+                return _caller().endswith(":step")
+            return 1 if not t.dtype.is_floating_point else 0.5
+        if func is torch.ops.aten.nonzero.default:  # data-dependent shape: answer "all true"
+            if args[0].device.type != "cpu":
+                self.device_reads.append(_caller())
+            t = args[0]
+            return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
+        if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            indices = []  # a boolean mask selects by its nonzero positions: answer "all true", as above
+            for i in args[1]:
+                if i is None or i.dtype != torch.bool:
+                    indices.append(i)
+                    continue
+                if i.device.type != "cpu":
+                    self.device_reads.append(_caller())
+                grids = torch.meshgrid(*[torch.arange(n, device=i.device) for n in i.shape], indexing="ij")
+                indices.extend(g.reshape(-1) for g in grids)
+            return func(args[0], indices)
+        return func(*args, **kwargs)
+
+
+class FakeBackward(TorchFunctionMode):
+    """CPU-only build: `loss.backward()` gives each trainable parameter without a gradient a fake zero one."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params, self.calls = params, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.backward:
+            loss = args[0]
+            assert loss.requires_grad and loss.dim() == 0 and loss.device.type == "cuda", loss
+            self.calls += 1
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return None
+        return func(*args, **(kwargs or {}))
+
+
+def to_fake_cuda(module, mode):
+    """Replace every parameter by a fake CUDA copy (tied parameters stay tied)."""
+    done = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                if id(p) not in done:
+                    fake = mode.from_tensor(p.detach())
+                    with mode:
+                        done[id(p)] = torch.nn.Parameter(fake.to("cuda"), p.requires_grad)
+                m._parameters[name] = done[id(p)]
+    return module
+
+
+def audit_one_iteration(fused, kl_in_reward, autocast):
+    """One PPO iteration (rollout, advantages, two optimizer steps) on fake CUDA tensors; asserts what it checks."""
+    # The Triton launch cannot run on fake tensors; the fused entry points' torch path has the same signature.
+    os.environ["PPO_KERNELS_BACKEND"] = "torch"
+    cfg = build_config({}, {"rollout_batch_size": "4", "minibatch_size": "2", "micro_batch_size": "1",
+                            "max_new_tokens": "6", "ppo_epochs": "1", "fused_kernels": str(fused).lower(),
+                            "kl_in_reward": str(kl_in_reward).lower(), "cuda_graph": "false"})
+    tokenizer = load_tokenizer(train.DEMO_CHECKPOINT)
+    policy = load_model(train.DEMO_CHECKPOINT)
+    critic = load_score_model(train.DEMO_CHECKPOINT)
+    reference = load_model(train.DEMO_CHECKPOINT).eval().requires_grad_(False)
+    prompts = eval_prompts(4, seed=0)
+    ac = fake_cuda_autocast if autocast else contextlib.nullcontext
+
+    mode, audit = FakeTensorMode(allow_non_fake_inputs=True), DeviceAudit()
+    for model in (policy, critic, reference):
+        to_fake_cuda(model, mode)
+    opts = train.Optimizers(policy, critic, cfg, total_steps=2, log=None)
+    with mode, audit:
+        assert next(policy.parameters()).device.type == "cuda"
+        # a CUDA generator cannot exist without CUDA; the rollout then draws from torch's default CUDA stream
+        rollout, ended = train.collect_rollout(policy, reference, critic, tokenizer, prompts,
+                                               make_reward_source(cfg), cfg, None, ac, 0, None, None)
+        for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
+                     "old_values", "entropy", "scores"):
+            assert getattr(rollout, name).device.type == "cuda", name
+        assert rollout.old_logprobs.dtype == rollout.old_values.dtype == torch.float32
+        train.compute_advantages(rollout, cfg, 0.05, ended)
+        rollout_reads = list(audit.device_reads)
+        audit.device_reads.clear()
+        step_count = opts.step_count
+        trainable = [p for m in (policy, critic) for p in m.parameters() if p.requires_grad]
+        backward = contextlib.nullcontext() if torch.cuda.is_available() else FakeBackward(trainable)
+        with backward:
+            stats = train.ppo_update(policy, critic, rollout, cfg, 0.05, torch.Generator().manual_seed(0), ac, opts.step)
+        assert torch.cuda.is_available() or backward.calls == 2 * 2 * 2  # steps x micro-batches x (policy, critic)
+        assert opts.step_count == step_count + 2 and opts.skipped == 0  # two minibatches, both stepped
+        assert all(p.grad is None for p in policy.parameters())  # zero_grad after the step
+        assert isinstance(stats["policy/first_ratio_max_dev"], float)
+
+    # Device reads of train.py in the rollout: the sampled tokens and their mask brought to the host, once each.
+    assert [r for r in rollout_reads if r.startswith("train.py")] == ["train.py:sample_responses"] * 2, rollout_reads
+    # Device reads of train.py in the update, per optimizer step: the statistics in one read, then the finite
+    # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
+    ours = [r for r in audit.device_reads if r.startswith("train.py:")]
+    n_stats = len(train.MB_STATS) + 2  # sums, token count, first ratio: one .tolist()
+    assert ours == (["train.py:_read_step_stats"] * n_stats + ["train.py:step"]) * 2, ours
+    others = sorted(set(r for r in rollout_reads + audit.device_reads if not r.startswith("train.py:")))
+    print("device reads outside train.py:", " ".join(others), file=sys.stderr)
+
+
+CASES = [
+    (False, True, True),   # the default kl_in_reward (kl_loss is a constant 0) on the plain torch head
+    (True, False, True),   # the KL as a loss term, LM-head-fused kernels (their torch path)
+    (True, True, False),   # dtype=float32 on a GPU: no autocast
+]
+
+
+def run_audit(*args, tmp_path):
+    """This file as a script in a fresh process (see the module docstring). -> CompletedProcess."""
+    root = os.path.dirname(PPO_CORE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=300, cwd=root, env=env)
+
+
+def test_one_ppo_iteration_on_fake_cuda_mixes_no_devices(tmp_path):
+    proc = run_audit(*(f"{int(f)}{int(k)}{int(a)}" for f, k, a in CASES), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.split() == ["ok"] * len(CASES), proc.stdout
+
+
+def test_the_audit_catches_what_fake_tensors_let_through(tmp_path):
+    proc = run_audit("catches", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.split() == ["ok"], proc.stdout
+
+
+def audit_catches_what_fake_tensors_let_through():
+    """A 0-dim CPU tensor stacked with CUDA ones passes FakeTensorMode but raises on a real GPU: the audit raises."""
+    with FakeTensorMode():
+        loss = torch.ones((), device="cuda")
+        torch.stack([loss, torch.zeros(())])  # fake tensors let this through
+        with DeviceAudit(), pytest.raises(RuntimeError, match="same device"):
+            torch.stack([loss, torch.zeros(())])
+        sums = torch.zeros(2, dtype=torch.float64)
+        with pytest.raises(RuntimeError, match="same device|two devices"):
+            sums += torch.stack([loss, loss]).double()  # and a CPU accumulator of CUDA values raises anyway
+
+
+if __name__ == "__main__":  # python tests/test_fake_cuda.py TMP_DIR CASE...   (CASE: 3 digits fused, kl_in_reward, autocast)
+    _fake_cuda_runtime(sys.argv[1])
+    for case in sys.argv[2:]:
+        if case == "catches":
+            audit_catches_what_fake_tensors_let_through()
+        else:
+            audit_one_iteration(*(c == "1" for c in case))
+        print("ok", flush=True)
