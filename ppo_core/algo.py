@@ -202,7 +202,11 @@ def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean",
         v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
         vf_losses2 = (v_clipped - returns) ** 2
         vf_losses = torch.maximum(vf_losses1, vf_losses2)
-        clipfrac = masked_mean((vf_losses2 > vf_losses1).to(values.dtype), mask)
+        # Count a token only where the clamp is active: inside the clip range V_clip = V_old + (V - V_old) is V
+        # up to one rounding, and `vf_losses2 > vf_losses1` alone would count a rounding-dependent share of
+        # unclipped tokens (verl and TRL count those too).
+        clipped = ((values - old_values).abs() > clip) & (vf_losses2 > vf_losses1)
+        clipfrac = masked_mean(clipped.to(values.dtype), mask)
     # L^V = 1/2 max((V - R)^2, (V_clip - R)^2)
     loss_mat = 0.5 * vf_losses
     loss = aggregate(loss_mat, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
