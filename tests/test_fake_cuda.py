@@ -19,6 +19,11 @@ runs in a fresh process (this file run as a script). The autograd engine needs a
 bookkeeping, so on a CPU-only build each backward is replaced by fake zero gradients (`FakeBackward`): the backward
 kernels are followed only on a CUDA build (where the rest runs as well). torch.autocast("cuda") turns itself off
 without CUDA, so `fake_cuda_autocast` sets its state directly.
+
+Two processes: a process group whose only backend serves CUDA tensors is what `init_process_group("nccl")`
+gives, and torch's fake process group ("cuda:fake", torch.testing._internal.distributed.fake_pg) is such a group
+on a CPU build: a collective on a CPU tensor raises "No backend type associated with device type cpu", as under
+NCCL. The audit runs rank 0 of 2 in it, so every collective of the loop must be on the loop's device.
 """
 import contextlib
 import inspect
@@ -172,8 +177,20 @@ def to_fake_cuda(module, mode):
     return module
 
 
-def audit_one_iteration(fused, kl_in_reward, autocast):
-    """One PPO iteration (rollout, advantages, two optimizer steps) on fake CUDA tensors; asserts what it checks."""
+def join_cuda_only_group(world=2):
+    """Rank 0 of `world` in a process group with a backend for CUDA tensors only (as NCCL alone), no peers needed."""
+    import torch.distributed as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ppo_core import distributed
+
+    c10d.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=world)
+    distributed._device = torch.device("cuda")  # what distributed.init("cuda") sets (it also needs a real GPU)
+
+
+def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
+    """One PPO iteration (rollout, advantages, two optimizer steps) on fake CUDA tensors; asserts what it checks.
+    world=2: as rank 0 of two processes in a CUDA-only process group (join_cuda_only_group)."""
     # The Triton launch cannot run on fake tensors; the fused entry points' torch path has the same signature.
     os.environ["PPO_KERNELS_BACKEND"] = "torch"
     cfg = build_config({}, {"rollout_batch_size": "4", "minibatch_size": "2", "micro_batch_size": "1",
@@ -184,6 +201,7 @@ def audit_one_iteration(fused, kl_in_reward, autocast):
     critic = load_score_model(train.DEMO_CHECKPOINT)
     reference = load_model(train.DEMO_CHECKPOINT).eval().requires_grad_(False)
     prompts = eval_prompts(4, seed=0)
+    b = len(prompts) // world  # this process's rows: 0..b-1 of the global batch
     ac = fake_cuda_autocast if autocast else contextlib.nullcontext
 
     mode, audit = FakeTensorMode(allow_non_fake_inputs=True), DeviceAudit()
@@ -193,8 +211,12 @@ def audit_one_iteration(fused, kl_in_reward, autocast):
     with mode, audit:
         assert next(policy.parameters()).device.type == "cuda"
         # a CUDA generator cannot exist without CUDA; the rollout then draws from torch's default CUDA stream
-        rollout, ended = train.collect_rollout(policy, reference, critic, tokenizer, prompts,
-                                               make_reward_source(cfg), cfg, None, ac, 0, None, None)
+        # as train.run does: the same prompt width on every process, each process's rows of the global batch
+        encoded = [tokenizer.encode(p) for p in prompts[:b]]
+        pad_to = train.dist.all_reduce_max_int(max(len(e) for e in encoded))
+        rows = (0, len(prompts)) if world > 1 else None
+        rollout, ended = train.collect_rollout(policy, reference, critic, tokenizer, prompts[:b],
+                                               make_reward_source(cfg), cfg, None, ac, pad_to, rows, encoded)
         for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
                      "old_values", "entropy", "scores"):
             assert getattr(rollout, name).device.type == "cuda", name
@@ -213,7 +235,8 @@ def audit_one_iteration(fused, kl_in_reward, autocast):
         assert isinstance(stats["policy/first_ratio_max_dev"], float)
 
     # Device reads of train.py in the rollout: the sampled tokens and their mask brought to the host, once each.
-    assert [r for r in rollout_reads if r.startswith("train.py")] == ["train.py:sample_responses"] * 2, rollout_reads
+    if world == 1:  # (with two processes, all_reduce_max_int's result is read as well)
+        assert [r for r in rollout_reads if r.startswith("train.py")] == ["train.py:sample_responses"] * 2, rollout_reads
     # Device reads of train.py in the update, per optimizer step: the statistics in one read, then the finite
     # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
     ours = [r for r in audit.device_reads if r.startswith("train.py:")]
@@ -244,6 +267,13 @@ def test_one_ppo_iteration_on_fake_cuda_mixes_no_devices(tmp_path):
     assert proc.stdout.split() == ["ok"] * len(CASES), proc.stdout
 
 
+def test_two_processes_collect_on_the_device_only(tmp_path):
+    """Rank 0 of 2 in a CUDA-only process group (as NCCL alone): the loop's collectives never get a CPU tensor."""
+    proc = run_audit("w2", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.split() == ["ok"], proc.stdout
+
+
 def test_the_audit_catches_what_fake_tensors_let_through(tmp_path):
     proc = run_audit("catches", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -267,6 +297,9 @@ if __name__ == "__main__":  # python tests/test_fake_cuda.py TMP_DIR CASE...   (
     for case in sys.argv[2:]:
         if case == "catches":
             audit_catches_what_fake_tensors_let_through()
+        elif case == "w2":
+            join_cuda_only_group(world=2)
+            audit_one_iteration(True, False, True, world=2)
         else:
             audit_one_iteration(*(c == "1" for c in case))
         print("ok", flush=True)
