@@ -280,7 +280,7 @@ def _triton_options(dtype):
 # which of them a given torch build accepts is found by trying (`_probe_mm_fp32`). "rounded" (Liger's legacy
 # path) always works, at the cost of one bf16 rounding of each product. "upcast" (fp32 copies of the operands,
 # an fp32 GEMM) is exact and what fp32 operands, and every device but CUDA, use.
-MM_FP32_KINDS = ("addmm_out_dtype", "mm_out_dtype", "rounded")
+MM_FP32_KINDS = ("addmm_out_dtype", "mm_out_dtype_into", "mm_out_dtype", "rounded")
 _MM_FP32_PATHS = {}  # (device, dtype) -> the kind chosen, filled on first use; see mm_fp32_path
 
 
@@ -291,7 +291,10 @@ def _mm_fp32_impl(kind, a, b, out, accumulate):
         return torch.addmm(out, a, b, beta=beta, out_dtype=torch.float32, out=out)
     if kind == "upcast":
         return torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)
-    if kind == "mm_out_dtype":
+    if kind == "mm_out_dtype_into" and not accumulate:  # written in place: no [M, N] temporary
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    if kind in ("mm_out_dtype", "mm_out_dtype_into"):
+        # (some torch builds reject addmm's fp32 `self` with bf16 operands but take mm with out_dtype)
         product = torch.mm(a, b, out_dtype=torch.float32)  # [M, N] fp32
     elif kind == "rounded":
         product = torch.mm(a, b).float()  # [M, N], rounded to a's dtype first
