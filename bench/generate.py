@@ -38,6 +38,7 @@ import ppo_core  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "..", "configs", "models", "SmolLM2-135M")  # shipped in the repository
 HF_ROW = "transformers generate, bf16, dynamic cache"
+BASE_ROW = "bf16 weights, static cache, eager step"
 
 
 def timed(fns: dict, new, repeats):
@@ -107,38 +108,56 @@ def device_table(args):
                                          cpu_packed_weights=False, **kw)
         return run
 
+    # Most telling first (rows print as they finish, so a time limit cuts the last ones): the eager static step
+    # (the base of "vs eager static"), its CUDA graph, the trainer's rollout both ways, then the dynamic cache.
     rows = {
-        "bf16 weights, static cache, eager step": ours(bf16, static_cache=True),
+        BASE_ROW: ours(bf16, static_cache=True),
         "bf16 weights, static cache, CUDA graph": ours(bf16, static_cache=True, cuda_graph=True),
-        "bf16 weights, dynamic cache": ours(bf16, static_cache=False),
-        "fp32 weights + bf16 autocast (trainer), static, eager": ours(fp32, True, static_cache=True),
         "fp32 weights + bf16 autocast (trainer), static, CUDA graph": ours(fp32, True, static_cache=True, cuda_graph=True),
+        "fp32 weights + bf16 autocast (trainer), static, eager": ours(fp32, True, static_cache=True),
+        "bf16 weights, dynamic cache": ours(bf16, static_cache=False),
     }
     if not cuda:  # CUDA graphs need a GPU: the smoke run checks the rest of the table
         rows = {name: fn for name, fn in rows.items() if "CUDA graph" not in name}
     hf_note = ""
+    hf = {}  # the transformers model, loaded when its row comes (last): the rows before it print meanwhile
     if not args.no_hf:
-        try:
+        def load_hf():
             import tempfile as _tempfile
 
             from transformers import AutoModelForCausalLM
             with _tempfile.TemporaryDirectory() as ckpt:
                 bf16.save_pretrained(ckpt)
-                hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(device).eval()
-            hf.generation_config.eos_token_id = None  # decode exactly n tokens
-            hf.generation_config.pad_token_id = 0
+                model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(device).eval()
+            model.generation_config.eos_token_id = None  # decode exactly n tokens
+            model.generation_config.pad_token_id = 0
+            hf["model"] = model
 
-            def run_hf(n):
-                with torch.no_grad():
-                    out = hf.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False)
-                return out[:, prompt_len:]
-            rows[HF_ROW] = run_hf
-        except Exception as e:  # not installed, or a version that cannot read this checkpoint
-            hf_note = f"transformers row left out: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        def run_hf(n):
+            with torch.no_grad():
+                out = hf["model"].generate(input_ids=prompts, attention_mask=mask, max_new_tokens=n,
+                                           min_new_tokens=n, do_sample=False)
+            return out[:, prompt_len:]
+        rows[HF_ROW] = run_hf
 
-    results, failed = {}, False
-    for name, fn in rows.items():
+    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads (smoke: toy size)"
+    n_params = fp32.num_parameters()
+    print(f"model {os.path.basename(os.path.normpath(args.config))}{' (2 layers, 2048 tokens)' if args.smoke else ''} "
+          f"({n_params / 1e6:.1f}M params, random weights), batch {batch} (every 4th row left-padded), prompt "
+          f"{prompt_len}, new {new}, greedy, {where}, torch {torch.__version__}, median of {args.repeats} calls "
+          f"(transformers: 1) after a 16-token warm-up call, prefill included")
+    print(f"| {'implementation':<58} | {'time (s)':>8} | {'new tok/s':>9} | {'ms/step':>7} | {'vs eager static':>15} | {'same tokens':>11} |")
+    print(f"|{'-' * 60}|{'-' * 10}:|{'-' * 10}:|{'-' * 8}:|{'-' * 16}:|{'-' * 12}:|", flush=True)
+    failed = False
+    base_tokens, base_time = None, None
+    for name, fn in rows.items():  # each row is printed as soon as it is measured
+        if name == HF_ROW:
+            try:
+                load_hf()
+            except Exception as e:  # not installed, or a version that cannot read this checkpoint
+                hf_note = (f"transformers row left out: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+                continue
         try:
             fn(min(new, 16))  # warm-up: cuBLAS heuristics, the allocator; a CUDA graph is captured in every call
             times, tokens = [], None
@@ -148,29 +167,21 @@ def device_table(args):
                 tokens = fn(new)
                 sync()
                 times.append(time.perf_counter() - t0)
-            results[name] = (tokens, statistics.median(times))
+            t = statistics.median(times)
         except Exception as e:
-            results[name] = (None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}")
             failed = True
-        print(f"  {name}: {results[name][1]}", file=sys.stderr, flush=True)
-
-    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads (smoke: toy size)"
-    n_params = fp32.num_parameters()
-    print(f"model {os.path.basename(os.path.normpath(args.config))}{' (2 layers, 2048 tokens)' if args.smoke else ''} "
-          f"({n_params / 1e6:.1f}M params, random weights), batch {batch} (every 4th row left-padded), prompt "
-          f"{prompt_len}, new {new}, greedy, {where}, torch {torch.__version__}, median of {args.repeats} calls "
-          f"(transformers: 1) after a 16-token warm-up call, prefill included")
-    print(f"| {'implementation':<58} | {'time (s)':>8} | {'new tok/s':>9} | {'ms/step':>7} | {'vs eager static':>15} | {'same tokens':>11} |")
-    print(f"|{'-' * 60}|{'-' * 10}:|{'-' * 10}:|{'-' * 8}:|{'-' * 16}:|{'-' * 12}:|")
-    base_tokens, base_time = results.get("bf16 weights, static cache, eager step", (None, None))
-    for name, (tokens, t) in results.items():
-        if isinstance(t, str):
-            print(f"| {name:<58} | {t} | | | | |")
+            error = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
+            print(f"  {name}: {error}", file=sys.stderr, flush=True)
+            print(f"| {name:<58} | {error} | | | | |", flush=True)
             continue
-        vs = f"{base_time / t:14.2f}x" if isinstance(base_time, float) else f"{'':>15}"
+        print(f"  {name}: {t}", file=sys.stderr, flush=True)
+        if name == BASE_ROW:
+            base_tokens, base_time = tokens, t
+        vs = f"{base_time / t:14.2f}x" if base_time is not None else f"{'':>15}"
         same = "" if base_tokens is None else ("yes" if torch.equal(tokens, base_tokens) else
                                                 f"{(tokens != base_tokens).any(-1).sum().item()}/{batch} rows differ")
-        print(f"| {name:<58} | {t:8.3f} | {batch * new / t:9.1f} | {1000 * t / new:7.2f} | {vs} | {same:>11} |")
+        print(f"| {name:<58} | {t:8.3f} | {batch * new / t:9.1f} | {1000 * t / new:7.2f} | {vs} | {same:>11} |",
+              flush=True)
     if hf_note:
         print(hf_note)
     if failed and args.smoke:

@@ -60,13 +60,24 @@ def _peer(name):
     raise KeyError(name)
 
 
+def compiled(fn):
+    """torch.compile(fn), built on the first call: --no-compile runs never import dynamo/inductor (seconds)."""
+    cache = []
+
+    def run(*args):
+        if not cache:
+            cache.append(torch.compile(fn))
+        return cache[0](*args)
+    return run
+
+
 def logits_impls():
     """op 'logits': token_logprobs from [N, V] logits; each returns logprobs [N] (backward through them)."""
     import ppo_kernels
     from ppo_kernels import token_logprobs_reference
     impls = {
         "torch eager": lambda x, y: token_logprobs_reference(x, y),
-        "torch.compile": torch.compile(lambda x, y: token_logprobs_reference(x, y)),
+        "torch.compile": compiled(lambda x, y: token_logprobs_reference(x, y)),
         "ppo_kernels": lambda x, y: ppo_kernels.token_logprobs(x, y),
     }
     trl_fn = _peer("trl_selective_log_softmax")
@@ -81,7 +92,7 @@ def linear_impls():
     from ppo_kernels import linear_token_logprobs_reference
     impls = {
         "torch eager": lambda h, w, y: linear_token_logprobs_reference(h, w, y),
-        "torch.compile": torch.compile(lambda h, w, y: linear_token_logprobs_reference(h, w, y)),
+        "torch.compile": compiled(lambda h, w, y: linear_token_logprobs_reference(h, w, y)),
         "ppo_kernels": lambda h, w, y: ppo_kernels.linear_token_logprobs(h, w, y),
     }
     trl_cls = _peer("trl_chunked")

@@ -10,8 +10,10 @@ What it builds, in a scratch directory (--workdir, default a temporary one):
   - a tokenizer.json whose vocabulary covers every id (a WordLevel model over "t0" .. "t151935", with the config's
     EOS id as "<|im_end|>"): random weights sample any id, and every sampled id must decode;
   - a prompts file (left padding: lengths prompt/2 .. prompt) and a reward function file (response length).
-Then `ppo_core.train.run` with a PPOConfig runs --iterations iterations (the first one includes Triton JIT and
-cuBLAS warm-up; the second is the steady state) and the table gives, per iteration, the rollout and update
+Then the attention table (below; it runs first because it takes seconds, so a time limit that cuts the
+iteration leaves it printed), then `ppo_core.train.run` with a PPOConfig runs --iterations iterations (the first
+one includes cuBLAS warm-up and any Triton JIT the attention table's passes did not already do; the second is
+the steady state) and the table gives, per iteration, the rollout and update
 seconds, response tokens/s and the peak GPU memory of the whole run. The final checkpoint write (about 7 GB of
 weights and optimizer state for this shape) measures the disk, not the GPU: it is skipped unless --save.
 
@@ -26,6 +28,7 @@ MATH, a failure of the goal.
 """
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -306,8 +309,8 @@ def attention_table(ckpt, device, batch, prompt_len, new):
                 with sdpa_kernel([backend]):  # the math fallback excluded
                     fn()
                 accepted.append("yes")
-            except RuntimeError as e:
-                first = str(e).splitlines()[0] if str(e) else ""
+            except Exception as e:  # RuntimeError "No available kernel"; anything else is reported, not raised
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 refused = "No available kernel" in first or "No viable backend" in first
                 accepted.append("no" if refused else f"error: {first[:60]}")
         runs_on = ", ".join(sorted(kinds)) or "none (no SDPA op seen)"
@@ -363,16 +366,8 @@ def main():
         print(f"scratch checkpoint, tokenizer, prompts and reward written in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
 
-        if args.only in (None, "step"):
-            try:
-                rows, summary, peak, seconds, cfg = ppo_iterations(args, ckpt, workdir, device)
-                print_iterations(rows, summary, peak, seconds, cfg, config, device, args.prompt)
-            except Exception:
-                traceback.print_exc()
-                print("\n## One PPO iteration: FAILED (traceback above)")
-                failed.append("ppo iteration")
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        # The attention table first: it takes seconds (and compiles the fused head's Triton kernels for the
+        # iteration), so a time limit that cuts the iteration still leaves it printed.
         if args.only in (None, "attention"):
             try:
                 broken, on_math = attention_table(ckpt, device, min(args.batch, 8), args.prompt, args.new)
@@ -381,6 +376,17 @@ def main():
                 traceback.print_exc()
                 print("\n## Attention: FAILED (traceback above)")
                 failed.append("attention table")
+            if device == "cuda":
+                gc.collect()  # the passes' models, before the iteration loads its own
+                torch.cuda.empty_cache()
+        if args.only in (None, "step"):
+            try:
+                rows, summary, peak, seconds, cfg = ppo_iterations(args, ckpt, workdir, device)
+                print_iterations(rows, summary, peak, seconds, cfg, config, device, args.prompt)
+            except Exception:
+                traceback.print_exc()
+                print("\n## One PPO iteration: FAILED (traceback above)")
+                failed.append("ppo iteration")
     if failed:
         sys.exit(f"bench/ppo_step.py: failed or on the math backend: {', '.join(failed)}")
 
