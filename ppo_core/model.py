@@ -463,7 +463,8 @@ def attention(q, k, v, attn_mask=None, is_causal=False):
     the query heads j*nh/nkv .. (j+1)*nh/nkv - 1 (GQA); attn_mask [B|1, 1, T, S] bool (True = may attend) or
     None; is_causal only without a mask. -> [B, nh, T, hs].
 
-    Shaped so that CUDA can run a fused SDPA kernel (flash, cuDNN or memory-efficient), never the math fallback,
+    Shaped so that CUDA can run a fused SDPA kernel (flash, cuDNN or memory-efficient; recent torch may prefer
+    cuDNN over flash on Hopper for the same call), never the math fallback,
     which upcasts to float32 and materialises the [B, nh, T, S] scores (and keeps them for the backward). Flash
     takes no mask and 16-bit inputs only (torch's sdp_utils.cpp: check_for_attn_mask, check_dtypes_flash_attention);
     the memory-efficient kernel of torch 2.11 takes a mask and float32 but not GQA
