@@ -79,6 +79,58 @@ def gae(rewards, values, mask, gamma, lam):
     return advantages, returns
 
 
+@torch.no_grad()
+def discounted_returns(token_rewards, mask, gamma):
+    """G_t = r_t + gamma * G_{t+1}, reverse time over T: the return REINFORCE++ uses as its advantage (whitened over
+    the batch by the caller). token_rewards, mask: [B, T]. Masked positions are transparent, as in `gae`: their
+    reward is ignored and the running return passes through them unchanged. Returns [B, T], 0 where masked."""
+    real = mask > 0  # [B, T] bool
+    next_return = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)  # [B]
+    returns = torch.zeros_like(token_rewards)  # [B, T]
+    for t in reversed(range(token_rewards.shape[1])):
+        g_t = token_rewards[:, t] + gamma * next_return
+        next_return = torch.where(real[:, t], g_t, next_return)
+        returns[:, t] = torch.where(real[:, t], g_t, 0.0)
+    return returns
+
+
+GROUP_KINDS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+@torch.no_grad()
+def group_advantages(scores, group, mask, kind, eps=1e-6):
+    """Critic-free advantages from the scores of n responses to the same prompt, broadcast over each response.
+
+    scores: [B] float; group: [B] int64, rows with equal ids are the responses to one prompt; mask: [B, T].
+    kind:
+      grpo                   A_i = (s_i - mean_g) / (std_g + eps), std unbiased   (Shao et al. 2024, DeepSeekMath)
+      dr_grpo                A_i = s_i - mean_g                                    (Liu et al. 2025, Dr. GRPO)
+      rloo                   A_i = s_i - mean_{g without i} = n/(n-1) (s_i - mean_g)  (Ahmadian et al. 2024)
+      reinforce_pp_baseline  A_i = s_i - mean_g, then whitened over the batch mask (Hu 2025, REINFORCE++)
+    A group of one has mean 0 and std 1 (no baseline from a single sample). Returns [B, T], 0 where masked.
+    The group sums are a [G, B] one-hot matmul (a fixed summation order, unlike index_add_'s atomics on a GPU).
+    """
+    if kind not in GROUP_KINDS:
+        raise ValueError(f"group_advantages: kind must be one of {GROUP_KINDS}, got {kind!r}")
+    ids, member = torch.unique(group, return_inverse=True)  # member [B]: the group index of each row
+    one_hot = (member[None, :] == torch.arange(len(ids), device=group.device)[:, None]).to(scores.dtype)  # [G, B]
+    n = one_hot.sum(1)  # [G] responses per group
+    mean = torch.where(n > 1, (one_hot @ scores) / n, 0.0)  # [G]
+    centred = scores - mean[member]  # [B] s_i - mean_g
+    # unbiased std: sqrt(sum (s - mean)^2 / (n - 1))
+    std = torch.where(n > 1, ((one_hot @ centred**2) / (n - 1).clamp(min=1)).sqrt(), 1.0)  # [G]
+    if kind == "grpo":
+        advantage = centred / (std[member] + eps)
+    elif kind == "rloo":
+        advantage = torch.where(n[member] > 1, n[member] / (n[member] - 1).clamp(min=1) * centred, scores)
+    else:  # dr_grpo, reinforce_pp_baseline
+        advantage = centred
+    advantages = advantage[:, None] * mask  # [B, T]
+    if kind == "reinforce_pp_baseline":
+        advantages = masked_whiten(advantages, mask)
+    return advantages
+
+
 def kl_estimate(logp, ref_logp, kind):
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman, "Approximating KL").
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from ppo_core.algo import (
-    AdaptiveKLController, FixedKLController, aggregate, explained_variance, gae, kl_estimate, masked_mean,
-    masked_var, masked_whiten, normalize_scores, per_token_rewards, policy_loss, value_loss,
+    AdaptiveKLController, FixedKLController, aggregate, discounted_returns, explained_variance, gae,
+    group_advantages, kl_estimate, masked_mean, masked_var, masked_whiten, normalize_scores, per_token_rewards,
+    policy_loss, value_loss,
 )
 
 F64 = torch.float64
@@ -299,6 +300,90 @@ def test_policy_loss_passes_aggregation_through():
     args = ([[0.0, 0.0], [0.0, 0.0]], [[1.0, 2.0], [4.0, 9.0]], [[1, 1], [1, 0]])
     close(run_policy_loss(*args, agg="seq-mean-token-mean")[0], (-1.5 - 4) / 2, tol=0)
     close(run_policy_loss(*args, agg="seq-mean-token-sum", num_seqs=4)[0], (-3 - 4) / 4, tol=0)
+
+
+# ---------------------------------------------------------------- critic-free estimators
+
+# group 7: rows 0, 1, 3 with scores 1, 0, 0.5: mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5;
+# group 3: row 2 alone: mean 0, std 1 (no baseline from one sample).
+GROUP_SCORES, GROUP_IDS = [1.0, 0.0, 1.0, 0.5], [7, 7, 3, 7]
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("grpo", [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 1.0 / (1 + 1e-6), 0.0]),
+    ("dr_grpo", [0.5, -0.5, 1.0, 0.0]),
+    # leave-one-out: row 0: 1 - (0 + 0.5) / 2; row 1: 0 - (1 + 0.5) / 2; row 3: 0.5 - (1 + 0) / 2; alone: s
+    ("rloo", [0.75, -0.75, 1.0, 0.0]),
+])
+def test_group_advantages_hand_worked(kind, expected):
+    mask = t64([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
+    got = group_advantages(t64(GROUP_SCORES), torch.tensor(GROUP_IDS), mask, kind)
+    close(got, t64(expected)[:, None] * mask, tol=1e-15)
+
+
+def test_reinforce_pp_baseline_whitens_the_centred_scores_over_tokens():
+    mask = t64([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
+    centred = t64([0.5, -0.5, 1.0, 0.0])[:, None] * mask  # dr_grpo's advantages, per token
+    tokens = [v for row, m in zip(centred.tolist(), mask.tolist()) for v, k in zip(row, m) if k]
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((v - mean) ** 2 for v in tokens) / (len(tokens) - 1) + 1e-8)
+    expected = ((centred - mean) / std) * mask
+    got = group_advantages(t64(GROUP_SCORES), torch.tensor(GROUP_IDS), mask, "reinforce_pp_baseline")
+    close(got, expected, tol=1e-14)
+
+
+def python_group_advantages(scores, group, kind, eps):
+    """A plain Python loop over rows: the per-row advantage before broadcasting (no whitening)."""
+    out = []
+    for i, s in enumerate(scores):
+        members = [scores[j] for j in range(len(scores)) if group[j] == group[i]]
+        n = len(members)
+        mean = sum(members) / n if n > 1 else 0.0
+        std = math.sqrt(sum((m - mean) ** 2 for m in members) / (n - 1)) if n > 1 else 1.0
+        if kind == "grpo":
+            out.append((s - mean) / (std + eps))
+        elif kind == "rloo":
+            out.append(s - (sum(members) - s) / (n - 1) if n > 1 else s)
+        else:
+            out.append(s - mean)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo"])
+def test_group_advantages_match_a_python_loop(kind):
+    g = torch.Generator().manual_seed(11)
+    B, T = 13, 6
+    scores = torch.randn(B, generator=g, dtype=F64)
+    group = torch.randint(0, 5, (B,), generator=g) * 3  # ids need not be 0..G-1; some groups of one, some empty
+    mask = ragged_mask(B, T, g)
+    expected = t64(python_group_advantages(scores.tolist(), group.tolist(), kind, 1e-6))[:, None] * mask
+    close(group_advantages(scores, group, mask, kind), expected, tol=1e-13)
+
+
+def test_group_advantages_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        group_advantages(t64([1.0]), torch.tensor([0]), t64([[1.0]]), "ppo")
+
+
+def test_discounted_returns_hand_worked_and_holes_transparent():
+    # row 0: rewards 1, _, 2 with a hole in the middle, gamma 0.5: G_2 = 2, G_0 = 1 + 0.5 * 2 = 2
+    # row 1: rewards 0, 0, 3: G = 0.75, 1.5, 3
+    rewards, mask = t64([[1.0, 9.0, 2.0], [0.0, 0.0, 3.0]]), t64([[1, 0, 1], [1, 1, 1]])
+    close(discounted_returns(rewards, mask, 0.5), t64([[2.0, 0.0, 2.0], [0.75, 1.5, 3.0]]), tol=0)
+
+
+def test_discounted_returns_match_a_python_loop():
+    g = torch.Generator().manual_seed(12)
+    rewards = torch.randn(6, 9, generator=g, dtype=F64)
+    mask = ragged_mask(6, 9, g)
+    expected = torch.zeros_like(rewards)
+    for b in range(6):
+        running = 0.0
+        for t in reversed(range(9)):
+            if mask[b, t]:
+                running = rewards[b, t].item() + 0.9 * running
+                expected[b, t] = running
+    close(discounted_returns(rewards, mask, 0.9), expected, tol=1e-13)
 
 
 # ---------------------------------------------------------------- value loss
