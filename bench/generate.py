@@ -56,17 +56,9 @@ def timed(fns: dict, new, repeats):
     return {name: (outputs[name], statistics.median(times[name])) for name in fns}
 
 
-def random_model(config_dir, device, layers=None, vocab=None, seed=0):
-    """ppo_core's CausalLM with the architecture of config_dir/config.json (optionally only its first `layers`
-    layers and a `vocab`-token vocabulary), random weights: matrices ~ N(0, 0.02^2) (the configs'
-    initializer_range), norms 1, biases 0."""
-    cfg = ppo_core.model.read_config(config_dir)
-    if layers:
-        cfg = {**cfg, "num_hidden_layers": layers}
-        if cfg.get("layer_types"):
-            cfg["layer_types"] = cfg["layer_types"][:layers]
-    if vocab:
-        cfg = {**cfg, "vocab_size": vocab}
+def random_model(cfg, device, seed=0):
+    """ppo_core's CausalLM with the architecture of the config dict `cfg` and random weights: matrices
+    ~ N(0, 0.02^2) (the configs' initializer_range), norms 1, biases 0. Also used by bench/ppo_step.py."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = ppo_core.CausalLM(ppo_core.ModelArgs.from_hf_config(cfg))
@@ -77,6 +69,18 @@ def random_model(config_dir, device, layers=None, vocab=None, seed=0):
             else:
                 p.fill_(1.0 if "norm" in name else 0.0)
     return model.eval()
+
+
+def read_config(config_dir, layers=None, vocab=None):
+    """config_dir/config.json, optionally cut to its first `layers` layers and a `vocab`-token vocabulary."""
+    cfg = ppo_core.model.read_config(config_dir)
+    if layers:
+        cfg = {**cfg, "num_hidden_layers": layers}
+        if cfg.get("layer_types"):
+            cfg["layer_types"] = cfg["layer_types"][:layers]
+    if vocab:
+        cfg = {**cfg, "vocab_size": vocab}
+    return cfg
 
 
 def device_table(args):
@@ -91,7 +95,8 @@ def device_table(args):
     batch, new = args.batch or (4 if args.smoke else 64), args.new or (8 if args.smoke else 128)
     prompt_len = 8 if args.smoke else args.prompt
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    fp32 = random_model(args.config, device, layers=2 if args.smoke else None, vocab=2048 if args.smoke else None)
+    fp32 = random_model(read_config(args.config, layers=2 if args.smoke else None,
+                                   vocab=2048 if args.smoke else None), device)
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     V = fp32.args.vocab_size
     g = torch.Generator(device=device).manual_seed(1)

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ppo_core import model as ppo_model  # noqa: E402
 from ppo_core import runlog, train  # noqa: E402
 from ppo_core.config import PPOConfig  # noqa: E402
+from generate import random_model  # noqa: E402  (bench/generate.py: this script's folder is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "..", "configs", "models", "Qwen3-0.6B")
@@ -53,16 +54,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 # ---------------------------------------------------------------------------------------- the scratch checkpoint
 def write_checkpoint(path, config, device, dtype):
-    """config.json + model.safetensors with random weights (matrices ~ N(0, 0.02^2), norms 1, biases 0)."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = ppo_model.CausalLM(ppo_model.ModelArgs.from_hf_config(config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-            else:
-                p.fill_(1.0 if "norm" in name else 0.0)
+    """config.json + model.safetensors with random weights (bench/generate.py's random_model)."""
+    model = random_model(config, device)
     model.to(dtype).save_pretrained(path)
     del model
 

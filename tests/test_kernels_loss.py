@@ -196,6 +196,18 @@ def linear_loss_and_grads(fn, hidden, weight, *args, **kwargs):
     return loss.detach(), h.grad, w.grad, scalars, stats.get("logp")
 
 
+def f64(t):
+    """t in float64 if it is a floating tensor, else t as it is."""
+    return t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+
+
+def truth_and_reference(hidden, weight, args, kwargs):
+    """linear_loss_and_grads of the naive reference in float64 (the truth) and in the inputs' dtype."""
+    truth = linear_loss_and_grads(linear_policy_loss_reference, f64(hidden), f64(weight), *map(f64, args),
+                                  **{k: f64(v) for k, v in kwargs.items()})
+    return truth, linear_loss_and_grads(linear_policy_loss_reference, hidden, weight, *args, **kwargs)
+
+
 LINEAR_CONFIGS = [
     dict(temperature=0.7),
     dict(dual_clip=3.0, agg="seq-mean-token-mean", kl_coef=0.1, kl_kind="k3"),
@@ -215,10 +227,7 @@ def test_linear_policy_loss_matches_reference(impl, config, monkeypatch, poisone
     if "kl_coef" in kwargs:
         kwargs["ref_logp"] = ref_logp
     args = (labels, old_logp, advantages, mask)
-    f64 = lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
-    truth = linear_loss_and_grads(linear_policy_loss_reference, f64(hidden), f64(weight), *map(f64, args),
-                                  **{k: f64(v) for k, v in kwargs.items()})
-    reference = linear_loss_and_grads(linear_policy_loss_reference, hidden, weight, *args, **kwargs)
+    truth, reference = truth_and_reference(hidden, weight, args, kwargs)
     got = linear_loss_and_grads(fn, hidden, weight, *args, **kwargs)
     for name, k, r, t in zip(("loss", "dhidden", "dweight"), got[:3], reference[:3], truth[:3]):
         err_kernel = (k.double().cpu() - t.cpu()).abs().max().item()
@@ -284,10 +293,7 @@ def test_linear_policy_loss_triton_row_chunks(config, dtype, monkeypatch, poison
     if "kl_coef" in kwargs:
         kwargs["ref_logp"] = ref_logp
     args = (labels, old_logp, advantages, mask)
-    f64 = lambda t: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
-    truth = linear_loss_and_grads(linear_policy_loss_reference, f64(hidden), f64(weight), *map(f64, args),
-                                  **{k: f64(v) for k, v in kwargs.items()})
-    reference = linear_loss_and_grads(linear_policy_loss_reference, hidden, weight, *args, **kwargs)
+    truth, reference = truth_and_reference(hidden, weight, args, kwargs)
     chunk_rows, fwd = [], loss_module._logprobs._fwd_triton  # the rows of each chunk's log-prob kernel launch
     monkeypatch.setattr(loss_module._logprobs, "_fwd_triton", lambda z, *a: chunk_rows.append(len(z)) or fwd(z, *a))
     got = linear_loss_and_grads(linear_policy_loss_triton, hidden, weight, *args, **kwargs)
