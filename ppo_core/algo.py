@@ -1,4 +1,4 @@
-"""The PPO math for language models: GAE, KL estimators, masked statistics, losses, KL controllers.
+"""The PPO math for language models: advantages, KL estimators, masked statistics, losses, rewards, KL controllers.
 
 Pure functions, tensors in and tensors out; the training loop lives elsewhere. Every tensor is `[B, T]`
 over response tokens, with a float `mask` of 0/1 (1 = a token the policy produced). The mask may have holes
@@ -131,11 +131,45 @@ def group_advantages(scores, group, mask, kind, eps=1e-6):
     return advantages
 
 
+@torch.no_grad()
+def varied_groups(scores, group):
+    """DAPO's dynamic-sampling filter (Yu et al. 2025, arXiv:2503.14476, the constraint 0 < |{o_i correct}| < G of
+    its objective): which rows to keep.
+
+    scores: [B] float; group: [B] int64, rows with equal ids are the responses to one prompt.
+    Returns [B] bool: True for rows whose group's scores are not all equal (exactly: max_g != min_g). DAPO keeps
+    groups with 0 < accuracy < 1; for any score, a group of equal scores gets zero group-relative advantage, so it
+    carries no learning signal. A group of one is never varied (max == min), for the same reason.
+    """
+    ids, member = torch.unique(group, return_inverse=True)  # member [B]: the group index of each row
+    # every group has at least one row, so include_self=False fills every slot; max and min are exact in any order
+    group_max = scores.new_zeros(len(ids)).scatter_reduce(0, member, scores, "amax", include_self=False)  # [G]
+    group_min = scores.new_zeros(len(ids)).scatter_reduce(0, member, scores, "amin", include_self=False)  # [G]
+    # keep group g iff max_g > min_g  (for 0/1 accuracy: 0 < mean_g < 1)
+    return (group_max > group_min)[member]
+
+
+LOG_RATIO_CLAMP = 20.0
+"""|log-ratio| bound before exp in `kl_estimate`'s k3, `policy_loss` and `gspo_policy_loss` (exp(20) ~ 4.9e8 is
+finite in float32, whose exp overflows past ~88). The clamp has zero gradient beyond the bound."""
+K3_CLAMP = 10.0
+"""Bound on each token's k3 estimate, as verl's "low_var_kl" (core_algos.kl_penalty). k3 >= 0, so only the upper
+bound acts: where log ref - log pi > 2.61 or < -11.0 (k3 = 10 there); the clamped tokens get zero gradient."""
+
+
 def kl_estimate(logp, ref_logp, kind):
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman, "Approximating KL").
 
     logp, ref_logp: [B, T] log-probs of the sampled tokens. kind: "k1" | "k2" | "k3". Returns [B, T].
-    k3 is not clamped: a log-ratio beyond ~88 overflows float32 in exp.
+    As a value on samples from pi, k1 and (unclamped) k3 are unbiased estimates of KL(pi || ref), k2 a biased one.
+    As a loss term on-policy (gradient through logp, the samples held fixed; k3 where unclamped), the expected
+    gradients differ:
+      k1: zero, since E_pi[grad log pi] = 0: the term does not pull pi towards ref at all;
+      k2: (log pi - log ref) grad log pi, whose expectation is grad KL(pi || ref), the reverse KL's gradient;
+      k3: (1 - ref / pi) grad log pi, whose expectation is -E_ref[grad log pi] = grad KL(ref || pi), the forward KL's.
+    k3 is clamped as verl's "low_var_kl": the log-ratio to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (finite
+    in float32, and no 0 * inf = NaN in the backward), the estimate to [-K3_CLAMP, K3_CLAMP]; zero gradient where
+    either clamp is active.
     """
     if kind == "k1":
         # k1 = log pi - log ref  (unbiased, high variance, can be negative)
@@ -144,9 +178,10 @@ def kl_estimate(logp, ref_logp, kind):
         # k2 = 1/2 (log pi - log ref)^2
         return 0.5 * (logp - ref_logp) ** 2
     if kind == "k3":
+        log_ratio = torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log(ref / pi)
         # k3 = exp(log ref - log pi) - (log ref - log pi) - 1  (unbiased, >= 0)
-        log_ratio = ref_logp - logp
-        return torch.exp(log_ratio) - log_ratio - 1
+        k3 = torch.exp(log_ratio) - log_ratio - 1
+        return torch.clamp(k3, -K3_CLAMP, K3_CLAMP)
     raise ValueError(f"kl_estimate: kind must be one of 'k1', 'k2', 'k3', got {kind!r}")
 
 
@@ -214,7 +249,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"policy_loss: dual_clip must be > 1 or None, got {dual_clip}")
     # the clamp keeps exp finite when the policies have drifted far apart (it has zero gradient there)
-    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)  # [B, T]
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     ratio = torch.exp(log_ratio)
     # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), a loss to minimise
     pg_loss1 = -advantages * ratio
@@ -233,6 +268,53 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
         stats["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask)
         stats["ratio_mean"] = masked_mean(ratio, mask)
         stats["ratio_max_dev"] = torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, num_seqs=None):
+    """GSPO: the clipped surrogate on a sequence-level ratio (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    arXiv:2507.18071, eq. 5), as a loss to minimise.
+
+    logp: [B, T] log-probs under the current policy (with grad); old_logp: [B, T] at sampling time;
+    advantages: [B, T], one value per response (A_i is taken as the row's masked mean); mask: [B, T].
+    clip_low / clip_high: s_i clipped to [1 - clip_low, 1 + clip_high]; the defaults are the paper's 3e-4 / 4e-4
+    (a sequence ratio is a per-token geometric mean, so its range is far narrower than PPO's token ratio).
+    num_seqs: the count to divide by, default the local number of non-empty rows; pass the GLOBAL count (over
+    accumulation microbatches and ranks) so that the per-microbatch losses sum to the full-batch loss, as in
+    `aggregate`. GSPO always reduces as a mean over sequences (the paper's 1/G sum_i), hence no `agg` argument.
+    The gradient is the paper's: d l_i / d logp_t = -A_i s_i / |y_i| on each real token of an unclipped row, 0 on a
+    clipped one (its GSPO-token form, s_it = sg[s_i] pi(y_t) / sg[pi(y_t)] averaged over each row's tokens, has the
+    same value and gradient when A is constant over the row).
+    Fully masked rows are left out. Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, over local rows):
+      clipfrac       fraction of non-empty rows where the clipped branch is strictly larger
+      approx_kl      token-level k3 estimate of KL(old || new), (r - 1) - log r, masked mean as in `policy_loss`
+      ratio_mean     mean of s_i over non-empty rows; ratio_max_dev: max |s_i - 1| over them (0 if none)
+    """
+    tokens_per_seq = mask.sum(-1)  # [B] |y_i|
+    seq_mask = (tokens_per_seq > 0).to(logp.dtype)  # [B] 1 = row has a real token
+    token_log_ratio = logp - old_logp  # [B, T]
+    # log s_i = 1/|y_i| sum_t log(pi(y_it) / pi_old(y_it)), clamped as in policy_loss (zero gradient beyond the bound)
+    seq_log_ratio = torch.clamp(masked_mean(token_log_ratio, mask, dim=-1), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    seq_ratio = torch.exp(seq_log_ratio)  # [B] s_i
+    seq_advantages = masked_mean(advantages, mask, dim=-1)  # [B] A_i
+    # l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)), a loss to minimise
+    pg_loss1 = -seq_advantages * seq_ratio
+    pg_loss2 = -seq_advantages * torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg_loss1, pg_loss2)  # [B]
+    if num_seqs is None:
+        num_seqs = seq_mask.sum()
+    # L^GSPO = 1/G sum_i l_i  over the non-empty rows
+    loss = (pg_losses * seq_mask).sum() / _count(num_seqs, pg_losses)
+    with torch.no_grad():
+        local_seqs = seq_mask.sum().clamp(min=1)
+        token_log_ratio = torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        stats = {
+            "clipfrac": ((pg_loss2 > pg_loss1).to(logp.dtype) * seq_mask).sum() / local_seqs,
+            # KL(old || new) ~ E_old[(r - 1) - log r] per token  (k3, >= 0 per token)
+            "approx_kl": masked_mean(torch.exp(token_log_ratio) - 1 - token_log_ratio, mask),
+            "ratio_mean": (seq_ratio * seq_mask).sum() / local_seqs,
+            "ratio_max_dev": torch.where(seq_mask > 0, (seq_ratio - 1).abs(), 0.0).max(),
+        }
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -304,6 +386,25 @@ def per_token_rewards(scores, mask, *, kl=None, kl_coef=0.0, ended_with_eos=None
     last = torch.where(real, positions, 0).amax(-1, keepdim=True)  # [B, 1] last real index
     score = torch.where(real.any(-1), scores, 0.0).unsqueeze(-1)  # [B, 1], 0 for fully masked rows
     return rewards.scatter_add(-1, last, score)
+
+
+def overlong_penalty(lengths, max_len, cache_len):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), added to the task score.
+
+    lengths: [B] int or float, response lengths in real tokens. max_len: L_max, the generation limit;
+    cache_len: L_cache, the interval before L_max over which the penalty ramps from 0 down to -1
+    (1 <= cache_len <= max_len). Returns [B] float (lengths' dtype if floating, else the default float dtype):
+      R(L) = 0                                  if L <= L_max - L_cache
+             ((L_max - L_cache) - L) / L_cache  if L_max - L_cache < L <= L_max
+             -1                                 if L > L_max
+    """
+    if not 1 <= cache_len <= max_len:
+        raise ValueError(f"overlong_penalty: cache_len must be in [1, max_len={max_len}], got {cache_len}")
+    if not lengths.is_floating_point():
+        lengths = lengths.to(torch.get_default_dtype())
+    expected_len = max_len - cache_len  # L_max - L_cache, the longest length with no penalty
+    ramp = (expected_len - lengths) / cache_len  # [B]
+    return torch.where(lengths <= expected_len, 0.0, torch.where(lengths <= max_len, ramp, -1.0))
 
 
 def normalize_scores(scores, *, whiten=False, clip=None):

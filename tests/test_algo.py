@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ppo_core.algo import (
-    AdaptiveKLController, FixedKLController, aggregate, discounted_returns, explained_variance, gae,
-    group_advantages, kl_estimate, masked_mean, masked_var, masked_whiten, normalize_scores, per_token_rewards,
-    policy_loss, value_loss,
+    K3_CLAMP, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController, aggregate, discounted_returns,
+    explained_variance, gae, group_advantages, gspo_policy_loss, kl_estimate, masked_mean, masked_var, masked_whiten,
+    normalize_scores, overlong_penalty, per_token_rewards, policy_loss, value_loss, varied_groups,
 )
 
 F64 = torch.float64
@@ -100,6 +100,35 @@ def test_kl_estimators_hand_worked():
     close(kl_estimate(logp, ref, "k3"), [0.36787944117144233, 0.7182818284590451, 0.0], tol=1e-15)
     with pytest.raises(ValueError, match="k3"):
         kl_estimate(logp, ref, "k4")
+
+
+def test_k3_clamps_hand_worked_with_zero_gradient_where_clamped():
+    assert (LOG_RATIO_CLAMP, K3_CLAMP) == (20.0, 10.0)
+    # gap d = ref - logp, k3 = e^d - d - 1, d k3 / d logp = 1 - e^d where neither clamp is active
+    #   d = 2.5: e^2.5 - 3.5 = 8.682493960703473 (inside), grad 1 - e^2.5 = -11.182493960703473
+    #   d = 3:   e^3 - 4 = 16.0855... -> 10 (k3 clamp), grad 0
+    #   d = 25:  d -> 20 (log-ratio clamp), e^20 - 21 = 4.85e8 -> 10, grad 0
+    #   d = -5:  e^-5 + 4 = 4.006737946999086 (inside), grad 1 - e^-5 = 0.9932620530009145
+    #   d = -12: e^-12 + 11 = 11.000006... -> 10, grad 0
+    #   d = -25: d -> -20, e^-20 + 19 -> 10, grad 0
+    logp = torch.zeros(6, dtype=F64, requires_grad=True)
+    ref = t64([2.5, 3.0, 25.0, -5.0, -12.0, -25.0])
+    k3 = kl_estimate(logp, ref, "k3")
+    close(k3, [8.682493960703473, 10.0, 10.0, 4.006737946999086, 10.0, 10.0], tol=1e-15)
+    k3.sum().backward()
+    close(logp.grad, [-11.182493960703473, 0.0, 0.0, 0.9932620530009145, 0.0, 0.0], tol=1e-15)
+    assert torch.all(logp.grad[[1, 2, 4, 5]] == 0)
+
+
+@pytest.mark.parametrize("dtype,gap", [(torch.float32, 100.0), (torch.float64, 1000.0)])
+def test_k3_log_ratio_clamp_keeps_value_and_gradient_finite(dtype, gap):
+    # without the log-ratio clamp exp(gap) is inf, and the k3 clamp's zero gradient times inf would be NaN
+    assert torch.isinf(torch.exp(torch.tensor(gap, dtype=dtype)))
+    logp = torch.zeros(2, dtype=dtype, requires_grad=True)
+    k3 = kl_estimate(logp, torch.tensor([gap, -gap], dtype=dtype), "k3")
+    assert k3.tolist() == [10.0, 10.0]
+    k3.sum().backward()
+    assert logp.grad.tolist() == [0.0, 0.0]
 
 
 # ---------------------------------------------------------------- masked statistics
@@ -302,6 +331,129 @@ def test_policy_loss_passes_aggregation_through():
     close(run_policy_loss(*args, agg="seq-mean-token-sum", num_seqs=4)[0], (-3 - 4) / 4, tol=0)
 
 
+# ---------------------------------------------------------------- GSPO
+
+def run_gspo(log_ratio, advantages, mask, **kwargs):
+    """gspo_policy_loss with old_logp = 0 and logp = log_ratio; returns (loss, stats, d loss / d logp)."""
+    logp = t64(log_ratio).requires_grad_(True)
+    loss, stats = gspo_policy_loss(logp, torch.zeros_like(logp), t64(advantages), t64(mask), **kwargs)
+    loss.backward()
+    return loss, stats, logp.grad
+
+
+def test_gspo_hand_worked():
+    # default clip range [1 - 3e-4, 1 + 4e-4] = [0.9997, 1.0004]; 4 non-empty rows, so G = 4
+    # row 0: log-ratios 0.1, -0.1 (7 masked): s = e^0 = 1; A = mean(0.5, 1.5) = 1 -> l = -1 (inside the range),
+    #        grad -A s / |y| = -0.5 per real token
+    # row 1: log-ratios ln 2, ln 2 (a hole with 9): s = 2; A = -1 -> max(2, 1.0004) = 2 (unclipped), grad 1 per token
+    # row 2: log-ratio ln 0.5: s = 0.5; A = -1 -> max(0.5, 0.9997) = 0.9997 (clipped), grad 0
+    # row 3: log-ratio ln 2: s = 2; A = +1 -> max(-2, -1.0004) = -1.0004 (clipped), grad 0
+    # row 4: fully masked (log-ratio 50, A 3): left out
+    ln2 = math.log(2.0)
+    loss, stats, grad = run_gspo(
+        [[0.1, -0.1, 7.0], [ln2, 9.0, ln2], [-ln2, 0.0, 0.0], [0.0, ln2, 0.0], [50.0, 50.0, 50.0]],
+        [[0.5, 1.5, 5.0], [-1.0, 4.0, -1.0], [-1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [3.0, 3.0, 3.0]],
+        [[1, 1, 0], [1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 0, 0]])
+    close(loss, (-1 + 2 + 0.9997 - 1.0004) / 4, tol=1e-15)
+    close(grad, [[-0.5 / 4, -0.5 / 4, 0], [1 / 4, 0, 1 / 4], [0, 0, 0], [0, 0, 0], [0, 0, 0]], tol=1e-15)
+    close(stats["clipfrac"], 2 / 4, tol=0)
+    close(stats["ratio_mean"], (1 + 2 + 0.5 + 2) / 4, tol=1e-15)
+    close(stats["ratio_max_dev"], 1.0, tol=1e-15)
+    # token k3 (r - 1) - log r over the 6 real tokens: e^0.1 - 1.1, e^-0.1 - 0.9, 3 x (1 - ln 2), ln 2 - 0.5
+    close(stats["approx_kl"], (math.exp(0.1) + math.exp(-0.1) - 2 + 2.5 - 2 * ln2) / 6, tol=1e-15)
+    assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
+
+
+def python_gspo(logp, old_logp, advantages, mask, clip_low, clip_high):
+    """A plain Python loop over sequences on 0-dim float64 tensors, so autograd gives its gradient too."""
+    total, n_seqs, n_clipped, ratio_sum = 0.0, 0, 0, 0.0
+    for b in range(logp.shape[0]):
+        real = [t for t in range(logp.shape[1]) if mask[b, t] == 1]
+        if not real:
+            continue
+        s = torch.exp(sum(logp[b, t] - old_logp[b, t] for t in real) / len(real))
+        a = sum(advantages[b, t].item() for t in real) / len(real)
+        unclipped = -a * s
+        clipped = -a * min(max(s, 1 - clip_low), 1 + clip_high)  # a constant, no gradient, when s is clipped
+        if clipped > unclipped:
+            total, n_clipped = total + clipped, n_clipped + 1
+        else:
+            total = total + unclipped
+        n_seqs += 1
+        ratio_sum += s.item()
+    return total / n_seqs, n_clipped / n_seqs, ratio_sum / n_seqs
+
+
+@pytest.mark.parametrize("clip_low,clip_high,scale", [(3e-4, 4e-4, 1e-3), (0.2, 0.28, 0.5)])
+def test_gspo_matches_a_python_loop_value_and_gradient(clip_low, clip_high, scale):
+    g = torch.Generator().manual_seed(13)
+    B, T = 12, 7
+    mask = ragged_mask(B, T, g)
+    old_logp = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    logp = (old_logp + scale * torch.randn(B, T, generator=g, dtype=F64)).requires_grad_(True)
+    advantages = torch.randn(B, T, generator=g, dtype=F64)  # not constant over a row: A_i is the row's mean
+    loss, stats = gspo_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high)
+    (grad,) = torch.autograd.grad(loss, logp)
+    logp_ref = logp.detach().clone().requires_grad_(True)
+    ref_loss, ref_clipfrac, ref_ratio_mean = python_gspo(logp_ref, old_logp, advantages, mask, clip_low, clip_high)
+    ref_loss.backward()
+    assert 0 < ref_clipfrac < 1  # both branches are exercised
+    close(loss, ref_loss, tol=1e-14)
+    close(grad, logp_ref.grad, tol=1e-14)
+    close(stats["clipfrac"], ref_clipfrac, tol=0)
+    close(stats["ratio_mean"], ref_ratio_mean, tol=1e-14)
+
+
+def test_gspo_equals_its_token_form_with_a_per_row_token_mean():
+    # GSPO-token (arXiv:2507.18071): s_it = sg[s_i] pi(y_t) / sg[pi(y_t)], with A constant over each row, averaged
+    # over each row's tokens then over rows, has the same value and gradient as the sequence-level loss
+    g = torch.Generator().manual_seed(14)
+    B, T = 8, 6
+    mask = ragged_mask(B, T, g)
+    old_logp = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    logp = (old_logp + 0.3 * torch.randn(B, T, generator=g, dtype=F64)).requires_grad_(True)
+    advantages = torch.randn(B, 1, generator=g, dtype=F64) * mask
+    loss, _ = gspo_policy_loss(logp, old_logp, advantages, mask, 0.1, 0.1)
+    (grad,) = torch.autograd.grad(loss, logp)
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1).detach()[:, None]  # [B, 1] sg[log s_i]
+    s_token = torch.exp(seq_log_ratio + logp - logp.detach())  # [B, T], value s_i
+    token_losses = torch.maximum(-advantages * s_token, -advantages * torch.clamp(s_token, 0.9, 1.1))
+    token_loss = aggregate(token_losses, mask, "seq-mean-token-mean")
+    (token_grad,) = torch.autograd.grad(token_loss, logp)
+    close(loss, token_loss, tol=1e-14)
+    close(grad, token_grad, tol=1e-14)
+
+
+def test_gspo_microbatches_with_global_num_seqs_sum_to_full_batch():
+    g = torch.Generator().manual_seed(15)
+    mask = ragged_mask(6, 5, g)
+    log_ratio = 0.3 * torch.randn(6, 5, generator=g, dtype=F64)
+    advantages = torch.randn(6, 1, generator=g, dtype=F64) * mask
+    zeros = torch.zeros_like(log_ratio)
+    full, _ = gspo_policy_loss(log_ratio, zeros, advantages, mask, 0.1, 0.1)
+    num_seqs = (mask.sum(-1) > 0).sum()
+    parts = sum(gspo_policy_loss(log_ratio[i:i + 3], zeros[i:i + 3], advantages[i:i + 3], mask[i:i + 3], 0.1, 0.1,
+                                 num_seqs=num_seqs)[0] for i in (0, 3))
+    close(parts, full, tol=1e-15)
+
+
+def test_gspo_huge_mean_log_ratio_is_clamped():
+    # mean log-ratio (40 + 60) / 2 = 50 -> 20: s = e^20, A = -1: unclipped branch e^20, zero gradient (the clamp)
+    for dtype in (F64, torch.float32):
+        logp = torch.tensor([[40.0, 60.0]], dtype=dtype, requires_grad=True)
+        loss, stats = gspo_policy_loss(logp, torch.zeros_like(logp), -torch.ones_like(logp), torch.ones_like(logp))
+        loss.backward()
+        close(loss, math.exp(20), tol=1e-15 if dtype == F64 else 1e-7)
+        assert torch.all(logp.grad == 0)
+        assert all(torch.isfinite(v) for v in stats.values())
+
+
+def test_gspo_fully_masked_batch():
+    loss, stats, grad = run_gspo([[0.1, 5.0], [-0.2, 0.3]], [[1.0, 1.0], [-2.0, -2.0]], [[0, 0], [0, 0]])
+    assert loss.item() == 0 and torch.all(grad == 0)
+    assert all(v.item() == 0 for v in stats.values())
+
+
 # ---------------------------------------------------------------- critic-free estimators
 
 # group 7: rows 0, 1, 3 with scores 1, 0, 0.5: mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5;
@@ -384,6 +536,50 @@ def test_discounted_returns_match_a_python_loop():
                 running = rewards[b, t].item() + 0.9 * running
                 expected[b, t] = running
     close(discounted_returns(rewards, mask, 0.9), expected, tol=1e-13)
+
+
+# ---------------------------------------------------------------- DAPO dynamic sampling and overlong penalty
+
+def test_varied_groups_hand_worked():
+    # group 7: scores 1, 0 -> varied; group 2: 1, 1 -> not; group 5: 0.5, 0.5, 0.5 -> not; group 9 alone -> not;
+    # group 4: 0, 0, 1 (interleaved) -> varied
+    scores = t64([1.0, 1.0, 0.5, 0.0, 0.0, 1.0, 0.5, 3.0, 0.5, 0.0, 1.0])
+    group = torch.tensor([7, 2, 5, 7, 4, 2, 5, 9, 5, 4, 4])
+    got = varied_groups(scores, group)
+    assert got.dtype == torch.bool
+    assert got.tolist() == [True, False, False, True, True, False, False, False, False, True, True]
+
+
+def test_varied_groups_match_a_python_loop():
+    g = torch.Generator().manual_seed(16)
+    for _ in range(5):
+        B = 17
+        scores = torch.randint(0, 2, (B,), generator=g).to(F64)  # 0/1 accuracy: many all-equal groups
+        group = torch.randint(0, 6, (B,), generator=g) * 5  # some groups of one, some ids unused
+        expected = [len({scores[j].item() for j in range(B) if group[j] == group[i]}) > 1 for i in range(B)]
+        assert varied_groups(scores, group).tolist() == expected
+
+
+@pytest.mark.parametrize("lengths,expected", [
+    # max_len 10, cache_len 4: no penalty up to 6, then (6 - L) / 4 down to -1 at L = 10, then -1
+    ([0, 5, 6, 7, 8, 9, 10, 11, 100], [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0]),
+    ([6.5, 10.5], [-0.125, -1.0]),
+])
+def test_overlong_penalty_hand_worked(lengths, expected):
+    got = overlong_penalty(torch.tensor(lengths), 10, 4)
+    assert got.dtype == torch.get_default_dtype() and got.tolist() == expected
+    got64 = overlong_penalty(torch.tensor(lengths, dtype=F64), 10, 4)
+    assert got64.dtype == F64 and got64.tolist() == expected
+
+
+def test_overlong_penalty_cache_len_bounds():
+    # cache_len == max_len: the ramp starts at 0: L = 0 -> 0, L = 5 -> -0.5, L = 10 -> -1
+    assert overlong_penalty(torch.tensor([0, 5, 10, 11]), 10, 10).tolist() == [0.0, -0.5, -1.0, -1.0]
+    # cache_len 1: L = max_len is the only ramp point, -1
+    assert overlong_penalty(torch.tensor([9, 10, 11]), 10, 1).tolist() == [0.0, -1.0, -1.0]
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="cache_len"):
+            overlong_penalty(torch.tensor([3]), 10, bad)
 
 
 # ---------------------------------------------------------------- value loss
