@@ -57,14 +57,15 @@ def _check_labels(labels, V):
 
 
 def token_logprobs_reference(logits, labels, *, temperature=1.0, return_entropy=False):
-    """log p(label) under softmax(logits / temperature), in float32.
+    """log p(label) under softmax(logits / temperature), in float32 (float64 for float64 logits).
 
     logits: [..., V] any float dtype; labels: [...] int64, IGNORE_INDEX (-100) rows give 0, any other label
     outside [0, V) raises ValueError.
-    Returns logprobs [...] float32, or (logprobs, entropy) with return_entropy=True.
+    Returns logprobs [...] float32 (float64), or (logprobs, entropy) with return_entropy=True.
     """
     _check_labels(labels, logits.shape[-1])
-    logits = logits.float() / temperature
+    # float32 at least (bf16 logits are upcast); float64 stays float64, so float64 inputs give float64 truth
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp_all = torch.log_softmax(logits, dim=-1)  # [..., V]
     ignored = labels == IGNORE_INDEX
     safe_labels = labels.masked_fill(ignored, 0)

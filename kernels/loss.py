@@ -4,28 +4,40 @@
     L_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            (Schulman et al. 2017)
     L_t = min(L_t, dual_clip * |A|)  for A < 0, with dual_clip           (Ye et al. 2020)
     L_t += kl_coef * KL_t(logp, ref_logp),  KL one of k1 / k2 / k3        (Schulman, "Approximating KL")
+        k1 = logp - ref,   k2 = 1/2 (logp - ref)^2,
+        k3 = clamp(exp(x) - x - 1, -10, 10),  x = clamp(ref - logp, -20, 20)   (verl's "low_var_kl")
     loss = aggregate(L, mask, agg)  =  sum_t w_t L_t
+    loss -= entropy_coef * aggregate(H, mask, agg)                       (entropy bonus, Schulman et al. 2017
+        H_t = -sum_v p_tv log p_tv,  p_t = softmax(h_t W^T / T)             eq. 9; linear_policy_loss only)
+
+Clamps: r's log-ratio at +-LOG_RATIO_CLAMP (20) keeps exp finite; k3's log-ratio x at +-LOG_RATIO_CLAMP and k3 itself
+at +-K3_CLAMP (10, only the upper bound can bind: k3 >= 0) bound the KL term of a token whose log-prob has drifted far
+from the reference's, as verl's core_algos.kl_penalty does. Where a clamp is strictly active the term passes no
+gradient.
 
 Every aggregation mode of `ppo_core.algo.aggregate` is linear in L, so it is a weighted sum with per-token
 weights w that depend on the mask alone (`_token_weights`). The loss is a scalar, so dloss/dlogp_t = w_t dL_t/dlogp_t
 is known in the forward: both paths compute it there, with the same tie rules as torch autograd
 (max/min split a tie's gradient in half; clamp passes gradient on its closed interval), and the backward only
 scales it by the incoming scalar gradient. Gradients flow to logp (and, in linear_policy_loss, to hidden and
-weight); old_logp, advantages and ref_logp are treated as constants.
+weight); old_logp, advantages and ref_logp are treated as constants. The entropy term is not elementwise in logp:
+linear_policy_loss adds its gradient per logit, dloss/dz_tv += -entropy_coef w_t dH_t/dz_tv with
+dH_t/dz_tv = -p_tv (log p_tv + H_t) (z_t = h_t W^T / T), to the log-prob term's while the logits are on hand.
 
 In this file:
   - `policy_loss_reference`: `ppo_core.algo.policy_loss` plus the KL term through `algo.kl_estimate` and
     `algo.aggregate`: the plain PyTorch the others are tested against.
   - `_policy_loss_kernel` (Triton): one pass over the tokens: loss, gradient and the stats' partial sums.
   - `_loss_terms_torch`: the same closed form in torch (CPU, and inside linear_policy_loss).
-  - `linear_policy_loss`: log-probs from hidden states and the LM head, then the loss, in one pass over
-    blocks of rows: each block gets its full-vocabulary logits, its log-probs, its loss gradient and then its
-    contribution to dhidden and dweight while the logits are on hand. 3 matmuls, as the naive path, with one
-    [rows, V] fp32 logits buffer instead of [N, V]. On the torch path (`_linear_loss_grads_torch`) these are
-    torch.mm; on the Triton path (`_linear_loss_grads_triton`) they are cuBLAS GEMMs with fp32 accumulation,
-    and two Triton row kernels in between turn the logits into log-probs (logprobs.py's forward kernel) and
-    into dloss/dz (`_loss_dz_kernel`, written in the operands' dtype so the two gradient GEMMs run at full
-    rate). dweight is summed over the chunks of rows in an fp32 [V, H] accumulator, in a fixed order.
+  - `linear_policy_loss`: log-probs (and entropies) from hidden states and the LM head, then the loss, in one
+    pass over blocks of rows: each block gets its full-vocabulary logits, its log-probs, its loss gradient and
+    then its contribution to dhidden and dweight while the logits are on hand. 3 matmuls, as the naive path, with
+    one [rows, V] fp32 logits buffer instead of [N, V] (two on the torch path with the entropy term). On the torch
+    path (`_linear_loss_grads_torch`) these are torch.mm; on the Triton path (`_linear_loss_grads_triton`) they are
+    cuBLAS GEMMs with fp32 accumulation, and two Triton row kernels in between turn the logits into log-probs and
+    entropies (logprobs.py's forward kernel) and into dloss/dz (`_loss_dz_kernel`, the entropy term under its
+    constexpr HAS_ENTROPY; written in the operands' dtype so the two gradient GEMMs run at full rate). dweight
+    is summed over the chunks of rows in an fp32 [V, H] accumulator, in a fixed order.
     Temperature: the torch path scales h by 1/T before its matmul, the Triton path divides the fp32 logits
     by T in its row kernels, as the reference does. Under autocast, fp32 hidden / weight are cast to the
     autocast dtype (`linear_logprobs._autocast_operands`), so the kernels see bf16; the gradients, formed in fp32 accumulators,
@@ -45,7 +57,8 @@ except ImportError:
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
-LOG_RATIO_CLAMP = 20.0
+LOG_RATIO_CLAMP = 20.0  # |log r| and |x| of k3 are clamped here (exp(20) ~ 4.9e8: finite in fp32)
+K3_CLAMP = 10.0  # k3 is clamped to [-K3_CLAMP, K3_CLAMP] (verl's low_var_kl); k3 >= 0, so only the top binds
 # Elements in the [rows, V] logits buffer of linear_policy_loss's torch path (fp32: 128 MiB).
 TORCH_LOSS_TILE_ELEMENTS = 1 << 25
 DH_BLOCK = 8192  # vocabulary columns per fp32 product in dhidden's fp64 accumulation
@@ -72,12 +85,30 @@ def policy_loss_reference(logp, old_logp, advantages, mask, clip_low=0.2, clip_h
 
 def linear_policy_loss_reference(hidden, weight, labels, old_logp, advantages, mask, *, temperature=1.0,
                                  clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None,
-                                 kl_coef=0.0, kl_kind="k3", num_tokens=None, num_seqs=None, norm_const=None):
-    """The naive path: full logits, log-softmax + gather, then policy_loss_reference."""
-    logp = _linear.linear_token_logprobs_reference(hidden, weight, labels, temperature=temperature)
-    return policy_loss_reference(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
-                                 num_tokens, num_seqs, norm_const, ref_logp=ref_logp, kl_coef=kl_coef,
-                                 kl_kind=kl_kind)
+                                 kl_coef=0.0, kl_kind="k3", entropy_coef=0.0, num_tokens=None, num_seqs=None,
+                                 norm_const=None):
+    """The naive path: full logits, log-softmax + gather (and the entropy), then policy_loss_reference.
+
+    With entropy_coef != 0 the loss subtracts entropy_coef * aggregate(H, mask, agg), H [like mask] the entropy of
+    softmax(hidden @ weight.T / temperature) per token (0 where the label is IGNORE_INDEX), and the stats add
+    "entropy" (its masked mean).
+    """
+    from ppo_core import algo
+
+    if entropy_coef == 0.0:  # the entropy costs [N, V] temporaries: only when it is in the loss
+        logp = _linear.linear_token_logprobs_reference(hidden, weight, labels, temperature=temperature)
+    else:
+        logp, entropy = _linear.linear_token_logprobs_reference(hidden, weight, labels, temperature=temperature,
+                                                                return_entropy=True)
+    loss, stats = policy_loss_reference(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
+                                        num_tokens, num_seqs, norm_const, ref_logp=ref_logp, kl_coef=kl_coef,
+                                        kl_kind=kl_kind)
+    if entropy_coef != 0.0:
+        # loss -= entropy_coef * aggregate(H, mask, agg)   (entropy bonus, Schulman et al. 2017, eq. 9)
+        loss = loss - entropy_coef * algo.aggregate(entropy, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                    norm_const=norm_const)
+        stats["entropy"] = algo.masked_mean(entropy, mask).detach()
+    return loss, stats
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,10 +201,15 @@ if triton is not None:
             elif KL_KIND == 2:  # k2 = 1/2 (logp - ref)^2
                 kl = 0.5 * (logp - ref) * (logp - ref)
                 dkl = logp - ref
-            else:  # k3 = exp(ref - logp) - (ref - logp) - 1
-                e = tl.exp(ref - logp)
-                kl = e - (ref - logp) - 1.0
-                dkl = 1.0 - e
+            else:  # k3 = clamp(exp(x) - x - 1, -10, 10),  x = clamp(ref - logp, -20, 20)  (K3_CLAMP, LOG_RATIO_CLAMP)
+                raw_x = ref - logp
+                x = tl.minimum(tl.maximum(raw_x, -20.0), 20.0)
+                e = tl.exp(x)
+                k3 = e - x - 1.0
+                kl = tl.minimum(tl.maximum(k3, -10.0), 10.0)
+                # dk3/dlogp = 1 - e, 0 where either clamp is strictly active (clamp's closed interval, as autograd's)
+                in_clamps = (raw_x >= -20.0) & (raw_x <= 20.0) & (k3 >= -10.0) & (k3 <= 10.0)
+                dkl = tl.where(in_clamps, 1.0 - e, 0.0)
             loss_t += kl_coef * kl
             dloss_t += kl_coef * dkl
         tl.store(grad_ptr + offs, tl.where(w != 0, w * dloss_t, 0.0), mask=inb)
@@ -192,19 +228,26 @@ if triton is not None:
     def _loss_dz_kernel(
         logits_ptr,  # [n, V] fp32 contiguous: z = hidden @ weight.T, before the temperature
         labels_ptr, lse_ptr, grad_ptr,  # [n]: label (all valid), logsumexp(z / T), dloss / dlogp
+        entropy_ptr, entropy_grad_ptr,  # [n]: H of softmax(z / T), dloss / dH (read only if HAS_ENTROPY)
         dz_ptr,  # [n, V] contiguous out, dloss / dz (may be logits_ptr itself: each element is read, then written)
         V, temperature,
-        BLOCK_V: tl.constexpr,
+        HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         # One program per (row, block of V):  dloss/dz_v = g (1[v = label] - p_v) / T,  p_v = exp(z_v / T - lse)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         inb = cols < V
         z = tl.load(logits_ptr + row * V + cols, mask=inb, other=0.0) / temperature  # as the reference rounds
-        p = tl.exp(z - tl.load(lse_ptr + row))
+        logp = z - tl.load(lse_ptr + row)
+        p = tl.exp(logp)
         label = tl.load(labels_ptr + row).to(tl.int64)
         g = tl.load(grad_ptr + row)
-        dz = g * (tl.where(cols == label, 1.0, 0.0) - p) / temperature
+        dz = g * (tl.where(cols == label, 1.0, 0.0) - p)
+        if HAS_ENTROPY:
+            # + dloss/dH dH/dz_v,  dH/dz_v = -p_v (log p_v + H); p_v = 0 contributes 0 (also where log p_v = -inf)
+            g_entropy = tl.load(entropy_grad_ptr + row)
+            dz -= g_entropy * tl.where(p > 0, p * (logp + tl.load(entropy_ptr + row)), 0.0)
+        dz = dz / temperature  # dz/dlogits = 1 / T
         tl.store(dz_ptr + row * V + cols, dz.to(dz_ptr.dtype.element_ty), mask=inb)
 
 
@@ -257,9 +300,16 @@ def _loss_terms_torch(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_cl
             kl, dkl = logp - ref, torch.ones_like(logp)
         elif kl_kind == "k2":  # k2 = 1/2 (logp - ref)^2
             kl, dkl = 0.5 * (logp - ref) ** 2, logp - ref
-        else:  # k3 = exp(ref - logp) - (ref - logp) - 1
-            e = torch.exp(ref - logp)
-            kl, dkl = e - (ref - logp) - 1.0, 1.0 - e
+        else:  # k3 = clamp(exp(x) - x - 1, -K3_CLAMP, K3_CLAMP),  x = clamp(ref - logp, -20, 20)  (verl's low_var_kl)
+            raw_x = ref - logp
+            x = raw_x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            e = torch.exp(x)
+            k3 = e - x - 1.0
+            kl = k3.clamp(-K3_CLAMP, K3_CLAMP)
+            # dk3/dlogp = 1 - e, 0 where either clamp is strictly active (clamp's closed interval, as autograd's)
+            in_clamps = ((raw_x >= -LOG_RATIO_CLAMP) & (raw_x <= LOG_RATIO_CLAMP)
+                         & (k3 >= -K3_CLAMP) & (k3 <= K3_CLAMP))
+            dkl = torch.where(in_clamps, 1.0 - e, zero)
         loss_t = loss_t + kl_coef * kl
         dloss_t = dloss_t + kl_coef * dkl
     nonzero_w = w != 0
@@ -348,8 +398,9 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
     """ppo_core.algo.policy_loss (same arguments, loss and stats), fused, plus an optional KL-to-reference term.
 
     logp: [B, T] current log-probs (with grad); old_logp, advantages, mask: [B, T]; ref_logp: [B, T] or None,
-    read only when kl_coef != 0; kl_kind: "k1" | "k2" | "k3". The loss adds kl_coef * aggregate(KL) and the stats
-    add "kl" (masked mean of the estimate) when kl_coef != 0. Returns (loss 0-dim, stats dict of detached 0-dim).
+    read only when kl_coef != 0; kl_kind: "k1" | "k2" | "k3" (k3 clamped as verl's low_var_kl, see the module
+    docstring). The loss adds kl_coef * aggregate(KL) and the stats add "kl" (masked mean of the estimate) when
+    kl_coef != 0. Returns (loss 0-dim, stats dict of detached 0-dim).
     Gradient flows to logp only.
     """
     return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
@@ -359,11 +410,14 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
 # ----------------------------------------------------------------------------------------------------------------
 # linear_policy_loss: the loss fused into the LM-head projection
 # ----------------------------------------------------------------------------------------------------------------
-def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_grad_fn, need_dh=True, need_dw=True):
+def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_grad_fn, need_dh=True, need_dw=True,
+                             entropy_grad=None):
     """One pass over blocks of rows with their full-V logits: log-probs, then dloss/dz and its matmuls.
 
     token_grad_fn(rows, logp_rows) -> dloss/dlogp for those rows (the loss is elementwise in logp).
-    Returns logp [Nk], dhidden [Nk, H], dweight [V, H], all in the compute dtype.
+    entropy_grad: [Nk] dloss/dH per row (the entropy bonus's -entropy_coef * w_t), or None: no entropy term.
+    Returns logp [Nk], dhidden [Nk, H], dweight [V, H] and entropy [Nk] (None without entropy_grad), all in the
+    compute dtype.
     """
     Nk, H = h_kept.shape
     V = weight.shape[0]
@@ -373,22 +427,41 @@ def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_gra
         h = h / temperature  # z = h @ W.T with h = hidden / T: dW = dz.T @ h, dhidden = dz @ W / T
     w = weight.to(acc)
     logp = torch.empty(Nk, device=h.device, dtype=acc)
+    entropy = torch.empty(Nk, device=h.device, dtype=acc) if entropy_grad is not None else None
     dh = torch.empty((Nk, H), device=h.device, dtype=acc) if need_dh else None
     dw = torch.zeros((V, H), device=h.device, dtype=acc) if need_dw else None
     rows_per_tile = max(1, min(Nk, TORCH_LOSS_TILE_ELEMENTS // max(V, 1)))
     buf = torch.empty(rows_per_tile * V, device=h.device, dtype=acc)
+    # the entropy term needs z - m and exp(z - m) at once: a second buffer
+    e_buf = torch.empty_like(buf) if entropy_grad is not None else None
     for r0 in range(0, Nk, rows_per_tile):
         r1 = min(r0 + rows_per_tile, Nk)
         n, rows = r1 - r0, slice(r0, r1)
-        z = torch.mm(h[rows], w.T, out=buf[: n * V].view(n, V))  # [n, V], the only [*, V] buffer
+        z = torch.mm(h[rows], w.T, out=buf[: n * V].view(n, V))  # [n, V], the only [*, V] buffer without entropy
         m = z.amax(1)
         label_z = z.gather(1, labels_kept[rows].unsqueeze(1)).squeeze(1)
-        e = z.sub_(m.unsqueeze(1)).exp_()  # exp(z - m), in place
-        s = e.sum(1)
-        logp[rows] = (label_z - m) - torch.log(s)
-        g = token_grad_fn(rows, logp[rows])  # [n] dloss/dlogp
-        # dloss/dz = g (onehot(label) - p),  p = e / s
-        dz = e.mul_((-g / s).unsqueeze(1))
+        if entropy_grad is None:
+            e = z.sub_(m.unsqueeze(1)).exp_()  # exp(z - m), in place
+            s = e.sum(1)
+            logp[rows] = (label_z - m) - torch.log(s)
+            g = token_grad_fn(rows, logp[rows])  # [n] dloss/dlogp
+            # dloss/dz = g (onehot(label) - p),  p = e / s
+            dz = e.mul_((-g / s).unsqueeze(1))
+        else:
+            z_m = z.sub_(m.unsqueeze(1))  # [n, V] z - m, in place
+            e = torch.exp(z_m, out=e_buf[: n * V].view(n, V))  # [n, V] exp(z - m)
+            s = e.sum(1)
+            log_s = torch.log(s)
+            logp[rows] = (label_z - m) - log_s
+            # H = -sum_v p_v log p_v = log s - sum_v e_v (z_v - m) / s   (as logprobs._fwd_torch); a batched dot
+            # product leaves no [n, V] temporary
+            entropy[rows] = log_s - torch.bmm(e.unsqueeze(1), z_m.unsqueeze(2)).view(n) / s
+            g = token_grad_fn(rows, logp[rows])  # [n] dloss/dlogp
+            g_entropy = entropy_grad[rows].to(acc)  # [n] dloss/dH
+            # dloss/dz = g (onehot(label) - p) + g_H dH/dz,  dH/dz_v = -p_v (log p_v + H),  log p_v = z_v - m - log s
+            #          = p (-g - g_H (log p + H)) + g onehot(label),   p = e / s
+            dz = z_m.sub_((log_s - entropy[rows]).unsqueeze(1)).mul_(-g_entropy.unsqueeze(1))
+            dz = dz.sub_(g.unsqueeze(1)).mul_(e).div_(s.unsqueeze(1))
         dz[torch.arange(n, device=h.device), labels_kept[rows]] += g
         if need_dh:
             # dz @ W over blocks of V, accumulated in fp64: the terms cancel (see linear_logprobs._tile_shape)
@@ -400,20 +473,23 @@ def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_gra
             dw.addmm_(dz.T, h[rows])  # [V, H]
     if need_dh and temperature != 1.0:
         dh.div_(temperature)
-    return logp, dh, dw
+    return logp, dh, dw, entropy
 
 
-def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_grad_fn, need_dh=True, need_dw=True):
+def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_grad_fn, need_dh=True, need_dw=True,
+                              entropy_grad=None):
     """The same pass on the Triton backend, one chunk of rows at a time: 3 cuBLAS matmuls, 2 Triton row kernels.
 
         z     = h @ W.T                     [n, V] fp32 (bf16/fp16 operands: fp32 accumulate and output)
-        logp, lse from z / T                _logprobs._fwd_triton (divides z by T as the reference does)
+        logp, H, lse from z / T             _logprobs._fwd_triton (divides z by T as the reference does)
         g     = dloss/dlogp                 token_grad_fn
         dz    = g (onehot(label) - p) / T   _loss_dz_kernel, in the operands' dtype (over z itself when fp32)
+              - g_H p (log p + H) / T         + the entropy term, g_H = entropy_grad, when it is given
         dh    = dz @ W,   dW += dz.T @ h    fp32 accumulators; dW's over the chunks, in their order
 
-    token_grad_fn(rows, logp_rows) -> dloss/dlogp for those rows. Returns logp [Nk], dhidden [Nk, H] and
-    dweight [V, H], all fp32. No atomics: the result does not depend on scheduling.
+    token_grad_fn(rows, logp_rows) -> dloss/dlogp for those rows. entropy_grad: [Nk] dloss/dH per row, or None.
+    Returns logp [Nk], dhidden [Nk, H], dweight [V, H] and entropy [Nk] (None without entropy_grad), all fp32.
+    No atomics: the result does not depend on scheduling.
     """
     Nk, H = h_kept.shape
     V = weight.shape[0]
@@ -422,9 +498,12 @@ def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_gr
     h = h_kept if low_precision else h_kept.float()  # fp64 inputs run in fp32, as the other Triton kernels do
     w = weight if low_precision else weight.float()
     logp = torch.empty(Nk, device=device, dtype=torch.float32)
+    has_entropy = entropy_grad is not None
+    entropy = torch.empty(Nk, device=device, dtype=torch.float32) if has_entropy else None
     dh = torch.empty((Nk, H), device=device, dtype=torch.float32) if need_dh else None
     if Nk == 0:  # nothing in the loss
-        return logp, dh, torch.zeros((V, H), device=device, dtype=torch.float32) if need_dw else None
+        return logp, dh, torch.zeros((V, H), device=device, dtype=torch.float32) if need_dw else None, entropy
+    entropy_grad = entropy_grad.float().contiguous() if has_entropy else None
     dw = torch.empty((V, H), device=device, dtype=torch.float32) if need_dw else None  # written by the first chunk
     rows_per_chunk = max(1, min(Nk, TRITON_LOSS_CHUNK_ELEMENTS // max(V, 1)))
     z_buf = torch.empty(rows_per_chunk * V, device=device, dtype=torch.float32)
@@ -443,14 +522,18 @@ def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_gr
         else:
             torch.mm(h[rows], w.T, out=z)  # [n, V]
         labels_rows = labels_kept[rows]
-        logp_rows, _, lse = _logprobs._fwd_triton(z, labels_rows, temperature)
+        logp_rows, entropy_rows, lse = _logprobs._fwd_triton(z, labels_rows, temperature)  # [n] each
         logp[rows] = logp_rows
+        if has_entropy:
+            entropy[rows] = entropy_rows
         if not (need_dh or need_dw):
             continue
         g = token_grad_fn(rows, logp_rows).float().contiguous()  # [n] dloss/dlogp
         dz = dz_buf[: n * V].view(n, V)
-        _loss_dz_kernel[(n, triton.cdiv(V, block_v))](z, labels_rows, lse, g, dz, V, float(temperature),
-                                                      BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+        _loss_dz_kernel[(n, triton.cdiv(V, block_v))](
+            z, labels_rows, lse, g, entropy_rows if has_entropy else lse,
+            entropy_grad[rows] if has_entropy else lse, dz, V, float(temperature),
+            HAS_ENTROPY=has_entropy, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
         if need_dh:
             if low_precision:
                 _linear._mm_fp32(dz, w_dz, out=dh[rows])  # [n, H]
@@ -462,11 +545,12 @@ def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_gr
                 dh[rows] = dh_rows
         if need_dw:
             _linear._mm_fp32(dz.T, h[rows].to(dz_dtype), out=dw, accumulate=r0 > 0)  # [V, H]
-    return logp, dh, dw
+    return logp, dh, dw, entropy
 
 
 def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low, clip_high,
-                        dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs, norm_const, backend):
+                        dual_clip, agg, ref_logp, kl_coef, kl_kind, entropy_coef, num_tokens, num_seqs, norm_const,
+                        backend):
     _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp)
     if hidden.shape[:-1] != mask.shape or labels.shape != mask.shape:
         raise ValueError(f"hidden [..., H] {tuple(hidden.shape)}, labels {tuple(labels.shape)} and mask "
@@ -501,14 +585,24 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
             sub = (logp_rows, old[idx], adv[idx], weights[idx], flat_mask[idx], ref[idx] if ref is not None else None)
             return terms(*(t.contiguous() if t is not None else None for t in sub), *params)[1]
 
+        # entropy bonus, - entropy_coef * sum_t w_t H_t:  dloss/dH_t = -entropy_coef * w_t   [Nk]
+        entropy_grad = -entropy_coef * weights.index_select(0, kept) if entropy_coef != 0.0 else None
+
         need_dh, need_dw = hidden_in.requires_grad, weight_in.requires_grad
         grads = _linear_loss_grads_triton if backend == "triton" else _linear_loss_grads_torch
-        logp_kept, dh_kept, dw = grads(h_kept, weight, labels_kept, float(temperature), token_grad, need_dh, need_dw)
+        logp_kept, dh_kept, dw, entropy_kept = grads(h_kept, weight, labels_kept, float(temperature), token_grad,
+                                                     need_dh, need_dw, entropy_grad)
         logp = torch.zeros(flat_labels.numel(), device=hidden.device, dtype=acc)
         logp.index_copy_(0, kept, logp_kept.to(acc))  # [N]; 0 where not kept
         loss, _, sums = terms(logp, old.contiguous(), adv.contiguous(), weights.contiguous(), flat_mask.contiguous(),
                               ref.contiguous() if ref is not None else None, *params)
         stats = _stats(sums, flat_mask, dual_clip, kl_coef)
+        if entropy_coef != 0.0:
+            entropy = torch.zeros(flat_labels.numel(), device=hidden.device, dtype=acc)
+            entropy.index_copy_(0, kept, entropy_kept.to(acc))  # [N]; 0 where not kept (label -100 or weight 0)
+            # loss -= entropy_coef * aggregate(H) = entropy_coef * sum_t w_t H_t
+            loss = loss - entropy_coef * (weights * entropy).sum()
+            stats["entropy"] = ((entropy * flat_mask).sum() / flat_mask.sum().clamp(min=1)).detach()
         stats["logp_mean"] = ((logp * flat_mask).sum() / flat_mask.sum().clamp(min=1)).detach()
         stats["logp"] = logp.view(mask.shape).detach()  # per token, 0 where not in the loss
         dhidden = dweight = None
@@ -533,27 +627,32 @@ def linear_policy_loss_torch(hidden, weight, labels, old_logp, advantages, mask,
 
 def _linear_policy_loss_kw(hidden, weight, labels, old_logp, advantages, mask, backend, *, temperature=1.0,
                            clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None,
-                           kl_coef=0.0, kl_kind="k3", num_tokens=None, num_seqs=None, norm_const=None):
+                           kl_coef=0.0, kl_kind="k3", entropy_coef=0.0, num_tokens=None, num_seqs=None,
+                           norm_const=None):
     return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
-                               clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs,
-                               norm_const, backend)
+                               clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, entropy_coef, num_tokens,
+                               num_seqs, norm_const, backend)
 
 
 def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, *, temperature=1.0, clip_low=0.2,
                        clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None, kl_coef=0.0, kl_kind="k3",
-                       num_tokens=None, num_seqs=None, norm_const=None):
+                       entropy_coef=0.0, num_tokens=None, num_seqs=None, norm_const=None):
     """policy_loss(linear_token_logprobs(hidden, weight, labels, temperature), ...) without the [N, V] logits.
 
     hidden: [N, H] or [B, T, H]; weight: [V, H]; labels, old_logp, advantages, mask (and ref_logp): [N] or
     [B, T], the same leading shape as hidden ([N] counts as one sequence for the seq-mean modes).
+    entropy_coef: the entropy bonus, loss -= entropy_coef * aggregate(H, mask, agg) with H [like mask] the entropy
+    of softmax(hidden @ weight.T / temperature) per token (0 where the label is IGNORE_INDEX); its gradient flows
+    to hidden and weight. 0 (the default) leaves the entropy out (no cost).
     Other arguments as in `policy_loss`; num_tokens / num_seqs / norm_const as in ppo_core.algo.aggregate.
     Returns (loss 0-dim, stats): policy_loss's stats plus "logp_mean" (masked mean log-prob) and "logp" (the
-    log-probs, detached, shaped like mask; 0 on tokens outside the loss).
+    log-probs, detached, shaped like mask; 0 on tokens outside the loss), and "entropy" (masked mean of H) when
+    entropy_coef != 0.
     Gradients flow to hidden and weight; they are formed in the forward, which therefore costs what forward
     and backward of the naive path cost, and the backward only scales them. Under autocast, fp32 hidden and
     weight are cast to the autocast dtype first (their gradients come back in fp32); a weight of another dtype
     than hidden is cast to hidden's.
     """
     return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
-                               clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, num_tokens, num_seqs,
-                               norm_const, _backend(hidden.device))
+                               clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, entropy_coef, num_tokens,
+                               num_seqs, norm_const, _backend(hidden.device))

@@ -4,7 +4,9 @@
 
 The reference is autograd through ppo_core.algo.policy_loss (+ algo.kl_estimate for the KL term); the fused
 paths form the gradient in closed form, so gradients are compared with autograd, in float64 on the torch
-path (to 1e-12) and in float32 on the Triton kernel (interpreter without a GPU).
+path (to 1e-12) and in float32 on the Triton kernel (interpreter without a GPU). k3's clamps (verl's low_var_kl)
+are checked against the formula written out in the test; linear_policy_loss's entropy bonus against autograd
+through token_logprobs_reference(return_entropy=True).
 """
 import math
 import os
@@ -121,6 +123,46 @@ def test_edge_ratios_and_advantages():
                             advantages.float().to(TRITON_DEVICE), mask.float().to(TRITON_DEVICE), **kwargs)
         assert torch.isfinite(got[1]).all() and math.isfinite(got[0].item())
         assert (got[1][:, 5:7] == 0).all()  # |log ratio| = 50: the clamp passes no gradient
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("fn", [policy_loss_torch, policy_loss_triton])
+def test_k3_clamped_as_verl(fn, agg):
+    # verl's core_algos.kl_penalty("low_var_kl"): x = clamp(ref - logp, -20, 20), k3 = clamp(e^x - x - 1, -10, 10),
+    # written out here in float64 with autograd (clamp passes gradient on its closed interval). Gaps ref - logp:
+    # 25 and -25 hit both clamps, 12.5 (k3 = e^12.5 - 13.5), 3 (16.1) and -12 (11.0) only k3's, 20 and -20 sit on the
+    # log-ratio clamp's edge (inside it) with k3 clamped; 2, -5, -10 (k3 = 9.00005), 0.25, -0.5 hit neither.
+    # Dyadic values: logp, ref and their difference are exact in float32 as in float64.
+    gaps = torch.tensor([25.0, -25.0, 12.5, 3.0, -12.0, 20.0, -20.0, 2.0, -5.0, -10.0, 0.25, -0.5], dtype=torch.float64)
+    clamped = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    logp = -torch.arange(1, 25, dtype=torch.float64).view(2, 12) / 8  # [2, 12]
+    ref_logp = logp + gaps
+    old_logp = logp + torch.randn(2, 12, dtype=torch.float64) * 0.3
+    advantages = torch.randn(2, 12, dtype=torch.float64)
+    mask = torch.ones(2, 12, dtype=torch.float64)
+    mask[1, :2] = 0
+    kl_coef = 0.1
+    from ppo_core import algo
+
+    def verl_loss(x, *args, **kwargs):
+        loss, stats = policy_loss_reference(x, *args, **kwargs)  # without its KL term
+        log_ratio = torch.clamp(ref_logp - x, min=-20.0, max=20.0)
+        k3 = torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+        stats["kl"] = algo.masked_mean(k3, mask).detach()
+        return loss + kl_coef * algo.aggregate(k3, mask, agg), stats
+
+    expected = loss_and_grad(verl_loss, logp, old_logp, advantages, mask, agg=agg)
+    assert expected[2]["kl"] > 5.0  # the clamped tokens dominate the mean
+    torch_path = fn is policy_loss_torch
+    device, dtype, tol = ("cpu", torch.float64, 1e-12) if torch_path else (TRITON_DEVICE, torch.float32, 2e-6)
+    got = loss_and_grad(fn, *(t.to(device, dtype) for t in (logp, old_logp, advantages, mask)), agg=agg,
+                        ref_logp=ref_logp.to(device, dtype), kl_coef=kl_coef, kl_kind="k3")
+    assert_same(got, expected, tol)
+    # where a clamp binds, the token's gradient is its PPO term's alone
+    pg_only = loss_and_grad(policy_loss_reference, logp, old_logp, advantages, mask, agg=agg)[1]
+    kl_grad = got[1].double().cpu() - pg_only  # [2, 12] the KL term's share of the gradient
+    assert kl_grad[:, clamped].abs().max().item() <= tol
+    assert (kl_grad[:, ~clamped][mask[:, ~clamped] != 0].abs() > 100 * tol).all()
 
 
 @pytest.mark.parametrize("fn", [policy_loss_torch, policy_loss_triton])
@@ -244,14 +286,68 @@ def test_linear_policy_loss_matches_reference(impl, config, monkeypatch, poisone
     assert (got[4].double().cpu() - truth_logp.cpu())[in_loss.cpu()].abs().max().item() <= 1e-5
 
 
+# The entropy bonus: every aggregation mode once, both coefficients, temperatures != 1, a KL term, dual clip.
+ENTROPY_CONFIGS = [
+    dict(entropy_coef=0.01, temperature=0.7, agg="token-mean"),
+    dict(entropy_coef=0.3, temperature=1.3, agg="seq-mean-token-mean", kl_coef=0.1, kl_kind="k3"),
+    dict(entropy_coef=0.3, temperature=0.7, agg="seq-mean-token-sum", dual_clip=3.0),
+    dict(entropy_coef=0.05, temperature=1.3, agg="seq-mean-token-sum-norm", clip_high=0.28),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("config", range(len(ENTROPY_CONFIGS)))
+def test_linear_policy_loss_entropy_bonus(impl, config, monkeypatch, poisoned_empty):
+    # loss - entropy_coef * aggregate(H) and its gradients to hidden and weight, against the naive reference's
+    # autograd in float64 (entropy from token_logprobs_reference(return_entropy=True)): no worse than the reference
+    # in float32, as test_linear_policy_loss_matches_reference requires without the entropy term.
+    if impl == "torch":
+        monkeypatch.setattr(loss_module, "TORCH_LOSS_TILE_ELEMENTS", 13 * 1000)  # several row tiles
+    fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
+    device = "cpu" if impl == "torch" else TRITON_DEVICE
+    torch.manual_seed(config)  # the same batch whatever ran before (the check below needs the term to be visible)
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(3, 40, 32, 1000, device=device)
+    kwargs = dict(ENTROPY_CONFIGS[config])
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    args = (labels, old_logp, advantages, mask)
+    truth, reference = truth_and_reference(hidden, weight, args, kwargs)
+    without = linear_loss_and_grads(linear_policy_loss_reference, f64(hidden), f64(weight), *map(f64, args),
+                                    **{k: f64(v) for k, v in dict(kwargs, entropy_coef=0.0).items()})
+    got = linear_loss_and_grads(fn, hidden, weight, *args, **kwargs)
+    for name, k, r, t, t0 in zip(("loss", "dhidden", "dweight"), got[:3], reference[:3], truth[:3], without[:3]):
+        tol = 1e-6 * max(1.0, t.abs().max().item())
+        assert (t - t0).abs().max().item() > 100 * tol, name  # the entropy term is well above the tolerance
+        err_kernel = (k.double().cpu() - t.cpu()).abs().max().item()
+        err_reference = (r.double().cpu() - t.cpu()).abs().max().item()
+        assert err_kernel <= err_reference + tol, (name, err_kernel, err_reference)
+    assert "entropy" in truth[3] and "entropy" not in without[3]
+    assert set(got[3]) == set(truth[3])
+    for key in truth[3]:  # relative: a ratio near 30 (ratio_max_dev) carries a log-prob's rounding times 30
+        assert abs(got[3][key] - truth[3][key]) <= 1e-5 * max(1.0, abs(truth[3][key])), key
+    assert (got[1][labels == -100] == 0).all() and (got[1][mask == 0] == 0).all()
+
+
+def test_linear_policy_loss_entropy_gradcheck_float64():
+    # the closed-form dz (log-prob and entropy terms, through the temperature) against finite differences
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(2, 4, 5, 7, dtype=torch.float64)
+    kwargs = dict(temperature=0.7, entropy_coef=0.3, kl_coef=0.1, ref_logp=ref_logp, agg="seq-mean-token-mean")
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_policy_loss_torch(h, w, labels, old_logp, advantages, mask, **kwargs)[0],
+        (hidden.clone().requires_grad_(), weight.clone().requires_grad_()))
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_linear_policy_loss_fully_masked(impl):
     fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
     device = "cpu" if impl == "torch" else TRITON_DEVICE
     hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(2, 10, 16, 100, device=device)
-    loss, dh, dw, stats, _ = linear_loss_and_grads(fn, hidden, weight, labels, old_logp, advantages,
-                                                torch.zeros_like(mask), kl_coef=0.1, ref_logp=ref_logp)
-    assert loss.item() == 0.0 and (dh == 0).all() and (dw == 0).all()
+    for entropy_coef in (0.0, 0.3):
+        loss, dh, dw, stats, _ = linear_loss_and_grads(fn, hidden, weight, labels, old_logp, advantages,
+                                                    torch.zeros_like(mask), kl_coef=0.1, ref_logp=ref_logp,
+                                                    entropy_coef=entropy_coef)
+        assert loss.item() == 0.0 and (dh == 0).all() and (dw == 0).all()
+        assert stats.get("entropy", 0.0) == 0.0 and ("entropy" in stats) == (entropy_coef != 0)
 
 
 def test_linear_policy_loss_flat_tokens_and_frozen_head():
@@ -268,12 +364,14 @@ def test_linear_policy_loss_flat_tokens_and_frozen_head():
     assert torch.allclose(h.grad, dh_2d, atol=1e-7)
 
 
-# Every aggregation mode, every KL kind, dual clip, temperatures != 1, ignored (-100) and fully masked rows.
+# Every aggregation mode, every KL kind, dual clip, temperatures != 1, the entropy bonus, ignored (-100) and fully
+# masked rows.
 CHUNKED_CONFIGS = [
     dict(agg="token-mean", temperature=0.7, kl_coef=0.1, kl_kind="k1"),
     dict(agg="seq-mean-token-mean", dual_clip=3.0, kl_coef=0.1, kl_kind="k3"),
     dict(agg="seq-mean-token-sum", kl_coef=0.05, kl_kind="k2", temperature=1.3, clip_low=0.1, clip_high=0.28),
     dict(agg="seq-mean-token-sum-norm", dual_clip=2.0, temperature=0.7),
+    dict(agg="seq-mean-token-mean", temperature=1.3, entropy_coef=0.3, kl_coef=0.1, kl_kind="k3", dual_clip=3.0),
 ]
 
 

@@ -75,6 +75,8 @@ TEMPERATURE = 0.7
 # (dual_clip, kl_coef, kl_kind): every (HAS_DUAL, HAS_KL, KL_KIND) the loss kernel can be launched with
 LOSS_OPTIONS = tuple((dual, kl_coef, kind) for dual in (None, 3.0)
                      for kl_coef, kind in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3")))
+# entropy_coef != 0 in one more linear_policy_loss call per case: the dz kernel's HAS_ENTROPY variant
+ENTROPY_COEF = 0.01
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -140,7 +142,9 @@ def exercise_wrappers():
                 backward_through(lp, ent, use_logp, use_entropy)
 
             yield f"linear_policy_loss {case}"
-            for dual_clip, kl_coef, kl_kind in LOSS_OPTIONS[-1:] if autocast else LOSS_OPTIONS:
+            options = [(*option, 0.0) for option in (LOSS_OPTIONS[-1:] if autocast else LOSS_OPTIONS)]
+            options.append((*LOSS_OPTIONS[-1], ENTROPY_COEF))
+            for dual_clip, kl_coef, kl_kind, entropy_coef in options:
                 full = randn(B, P + T, H, dtype=dtype, grad=True)
                 weight = randn(V, H, dtype=dtype, grad=True)
                 mask = (torch.rand(B, T, generator=gen) > 0.2).float()
@@ -149,7 +153,7 @@ def exercise_wrappers():
                     loss_value, _ = loss.linear_policy_loss_triton(
                         full[:, P - 1:-1], weight, labels_for((B, T), V, n_ignored), old, adv, mask,
                         temperature=TEMPERATURE, dual_clip=dual_clip, ref_logp=ref, kl_coef=kl_coef,
-                        kl_kind=kl_kind)
+                        kl_kind=kl_kind, entropy_coef=entropy_coef)
                 loss_value.backward()
 
 
