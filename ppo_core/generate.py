@@ -1,12 +1,13 @@
 """Batched sampling with a KV cache: temperature, top-k, top-p, stop at EOS.
 
     tokens = generate(model, prompt_ids, 64, attention_mask=prompt_mask, temperature=1.0,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)   # [B, 64]
+                      eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id)  # [B, 64]
 
 Prompts are left-padded (`attention_mask` 0 on the padding); positions count real tokens only, so a
-prompt in a padded batch is decoded exactly as it would be alone. Positions after a row's EOS hold
-the pad id. Works for every family of model.py: sliding-window layers keep a ring of `window` slots
-(model.KVCache), NoPE layers skip RoPE.
+prompt in a padded batch is decoded exactly as it would be alone. A row stops at the first token that is
+any of the EOS ids (a chat model has several: generation_config.json's list, tokenizer.eos_token_ids);
+positions after it hold the pad id. Works for every family of model.py: sliding-window layers keep a ring
+of `window` slots (model.KVCache), NoPE layers skip RoPE.
 
 The prompt is prefilled in one forward that computes logits at its last position only; then one token per
 row per step, in one of two ways (the same tokens, tests/test_generate.py):
@@ -152,12 +153,21 @@ def generate(
     None (default) = on except on the CPU, where attending over the filled slots only is faster for long
     responses after short prompts.
     cuda_graph: capture that step as a CUDA graph (CUDAGraphStep); needs static_cache on a CUDA device.
+    eos_token_id: an id, a list/tuple of ids (a row stops at the first token that is any of them), or None (never
+    stop). pad_token_id: what fills a row after its EOS; None = the first EOS id (0 without one).
     """
     B, P = prompt_ids.shape
     device = prompt_ids.device
     if eos_token_id is None:
+        stop_ids = []
+    elif isinstance(eos_token_id, (list, tuple)):
+        stop_ids = [int(i) for i in eos_token_id]
+    else:
+        stop_ids = [int(eos_token_id)]
+    if not stop_ids:
         stop_at_eos = False
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    pad = pad_token_id if pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    eos_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)  # [E], made once for torch.isin below
     if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         cache_dtype = torch.get_autocast_dtype("cuda")  # k, v come out of autocast's matmuls in this dtype
     else:
@@ -205,8 +215,8 @@ def generate(
                 lp = torch.log_softmax(logits / (1.0 if greedy else temperature), -1)
                 logprobs[:, t] = lp.gather(-1, next_tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
             tokens[:, t] = next_tok.masked_fill(done, pad)
-            if stop_at_eos:
-                done = done | (next_tok == eos_token_id)
+            if stop_at_eos:  # outside the decode step (and its CUDA graph): an eager isin against [E] ids
+                done = done | torch.isin(next_tok, eos_ids)
                 if (t + 1) % eos_check_every == 0 and bool(done.all()):
                     break
             if t + 1 < max_new_tokens:

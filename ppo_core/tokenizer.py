@@ -3,12 +3,18 @@ library, behaving as transformers' tokenizer on the same files.
 
     tok = load_tokenizer("checkpoints/reverse-demo")
     ids = tok.encode("abc=")            # list[int], no special tokens added
-    tok.decode(ids), tok.eos_token_id, tok.pad_token_id
+    ids = tok.encode_prompt("abc=")     # = transformers' tok("abc=")["input_ids"]: BOS where the template adds one
+    tok.decode(ids), tok.eos_token_id, tok.pad_token_id, tok.eos_token_ids
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
 
 Special tokens come from tokenizer_config.json (strings or AddedToken dicts), else from the legacy
 special_tokens_map.json. The chat template comes from chat_template.jinja (+ additional_chat_templates/*.jinja),
 which wins over the "chat_template" entry of tokenizer_config.json, as in transformers 5.
+
+Stop tokens: a chat model often ends a turn with a token other than the tokenizer's eos_token (Llama 3:
+<|eot_id|> beside <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>). transformers' generate stops at every id
+of generation_config.json's "eos_token_id" (an int or a list); `eos_token_ids` holds the tokenizer's eos_token_id
+and those, and save_pretrained writes generation_config.json back so that a saved policy keeps them.
 """
 import json
 import os
@@ -16,6 +22,7 @@ import os
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .chat_template import render_chat_template
+from .model import CheckpointError
 
 # the named special tokens transformers passes to a chat template (`special_tokens_map`)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -24,7 +31,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 class Tokenizer:
     """A thin wrapper that knows the special tokens and the chat template of its checkpoint."""
 
-    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None):
+    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None, generation_config=None):
         self.backend = tokenizer
         self.config = config
         self.special_tokens_map = _special_tokens_map(config)
@@ -36,6 +43,11 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.pad_token_id = self.token_to_id(self.pad_token)
         self.bos_token_id = self.token_to_id(self.bos_token)
+        self.generation_config = generation_config
+        """generation_config.json as read (a dict, kept whole for save_pretrained), or None without one."""
+        self.eos_token_ids = _stop_token_ids(self.eos_token_id, generation_config)
+        """Every id that ends a response: eos_token_id first (when set), then generation_config.json's
+        "eos_token_id" entries in their order, each once. What generate(eos_token_id=...) should stop at."""
         self.chat_template = chat_template if chat_template is not None else config.get("chat_template")
         if isinstance(self.chat_template, (list, tuple)):  # [{"name", "template"}] -> {name: template}
             self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
@@ -49,6 +61,17 @@ class Tokenizer:
 
     def encode(self, text, add_special_tokens=False):
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text) -> list:
+        """The ids of transformers' `tokenizer(text)["input_ids"]`: `text` encoded, then tokenizer.json's
+        post_processor applied (add_special_tokens=True). A TemplateProcessing "<s> $A" (Llama-family checkpoints)
+        puts the BOS in front; a template "$A </s>" appends an EOS as well, exactly as transformers does; no
+        post_processor, or one that adds no token (ByteLevel, Qwen's), gives encode(text).
+
+        For a prompt that does not go through a chat template (a template writes its own BOS, and its text is
+        encoded with encode). transformers 5 ignores tokenizer_config.json's add_bos_token / add_eos_token when
+        a tokenizer.json exists: the post_processor alone decides, here as there."""
+        return self.backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids, skip_special_tokens=True):
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -100,6 +123,10 @@ class Tokenizer:
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
+        if self.generation_config is not None:  # the stop tokens travel with the saved policy
+            with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+                json.dump(self.generation_config, f, indent=2)
+                f.write("\n")
 
 
 def _token_str(tok):
@@ -123,7 +150,43 @@ def _special_tokens_map(config: dict) -> dict:
     return out
 
 
+def _stop_token_ids(eos_token_id, generation_config) -> list:
+    """[eos_token_id] (when not None) + generation_config["eos_token_id"] (an int or a list), duplicates dropped."""
+    ids = [] if eos_token_id is None else [eos_token_id]
+    extra = (generation_config or {}).get("eos_token_id")
+    if extra is None:
+        extra = []
+    elif isinstance(extra, int):
+        extra = [extra]
+    for token_id in extra:
+        if token_id not in ids:
+            ids.append(token_id)
+    return ids
+
+
+def read_generation_config(path):
+    """generation_config.json of a checkpoint directory as a dict, or None when there is none. Its
+    "eos_token_id" must be null, a token id or a list of token ids; anything else is a CheckpointError."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    eos = config.get("eos_token_id")
+    ids = [eos] if not isinstance(eos, list) else eos
+    if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+    return config
+
+
 def load_tokenizer(path) -> Tokenizer:
+    """The Tokenizer of a checkpoint directory: tokenizer.json (required), and when present tokenizer_config.json,
+    special_tokens_map.json, chat_template.jinja, additional_chat_templates/*.jinja and generation_config.json."""
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         raise FileNotFoundError(f"no tokenizer.json in {path!r}")
@@ -154,4 +217,4 @@ def load_tokenizer(path) -> Tokenizer:
     chat_template = None
     if templates:
         chat_template = templates["default"] if list(templates) == ["default"] else templates
-    return Tokenizer(_HFTokenizer.from_file(tok_file), config, chat_template)
+    return Tokenizer(_HFTokenizer.from_file(tok_file), config, chat_template, read_generation_config(path))

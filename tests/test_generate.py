@@ -412,3 +412,60 @@ def test_static_cache_stops_at_eos_like_the_dynamic_path():
     (dyn_tok, dyn_lp), (st_tok, st_lp) = generate_both(model, ids, 20, **kw)
     assert torch.equal(st_tok, dyn_tok) and (st_tok[0, 3:] == 0).all()
     torch.testing.assert_close(st_lp, dyn_lp, rtol=0, atol=1e-5)
+
+
+def cut_at_first_stop(row, stop_ids, pad):
+    """Plain Python: the tokens up to and including the first that is in stop_ids, then pad to the same length."""
+    out = []
+    for token in row:
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out + [pad] * (len(row) - len(out))
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_generate_stops_at_the_first_of_several_eos_ids(static_cache):
+    """eos_token_id=[a, b] (generation_config.json's list): each row is the greedy tokens cut at the first token that
+    is a or b, then padded; pad defaults to the first id; log-probs are 0 after the cut. Here rows 0 and 1 stop at a,
+    row 2 at b, so both ids are exercised."""
+    model = tiny("olmo3")
+    ids, mask = prompts()
+    free = ppo_core.generate(model, ids, 20, attention_mask=mask, greedy=True, stop_at_eos=False,
+                             static_cache=static_cache)
+    a, b = int(free[1, 2]), int(free[2, 2])
+    rows = free.tolist()
+    stopped_at = [next(t for t in row if t in (a, b)) for row in rows]
+    assert stopped_at == [a, a, b]  # the check below is not vacuous
+    for eos, pad in (([a, b], 0), ((a, b), 0), ([a, b], None)):
+        out, lp = ppo_core.generate(model, ids, 20, attention_mask=mask, greedy=True, eos_token_id=eos,
+                                    pad_token_id=pad, return_logprobs=True, static_cache=static_cache)
+        expected = [cut_at_first_stop(row, {a, b}, a if pad is None else pad) for row in rows]
+        assert out.tolist() == expected, (eos, pad)
+        for r, row in enumerate(rows):
+            n = row.index(stopped_at[r]) + 1
+            assert (lp[r, n:] == 0).all() and (lp[r, :n] < 0).all()
+    # one id in a list is the same as the bare id
+    one = ppo_core.generate(model, ids, 20, attention_mask=mask, greedy=True, eos_token_id=[b], pad_token_id=0,
+                            static_cache=static_cache)
+    assert torch.equal(one, ppo_core.generate(model, ids, 20, attention_mask=mask, greedy=True, eos_token_id=b,
+                                              pad_token_id=0, static_cache=static_cache))
+    assert one.tolist() == [cut_at_first_stop(row, {b}, 0) for row in rows]
+    # an empty list stops nothing
+    assert torch.equal(ppo_core.generate(model, ids, 20, attention_mask=mask, greedy=True, eos_token_id=[],
+                                         static_cache=static_cache), free)
+
+
+@needs_cuda
+def test_cuda_graph_stops_at_the_first_of_several_eos_ids():
+    """On a GPU with the captured step: the stop test (torch.isin on a device tensor of ids) runs outside the graph;
+    the tokens are the graph's own free run cut at the first of either id."""
+    model = tiny("olmo3").cuda()
+    ids, mask = (t.cuda() for t in prompts())
+    kw = dict(attention_mask=mask, greedy=True, static_cache=True, cuda_graph=True)
+    rows = ppo_core.generate(model, ids, 20, stop_at_eos=False, **kw).tolist()
+    a, b = rows[1][2], rows[2][2]
+    out = ppo_core.generate(model, ids, 20, eos_token_id=[a, b], pad_token_id=0, **kw)
+    assert out.tolist() == [cut_at_first_stop(row, {a, b}, 0) for row in rows]
+    stopped_at = {next((t for t in row if t in (a, b)), None) for row in rows}
+    assert {a, b} <= stopped_at  # both ids end some row: the check above is not vacuous

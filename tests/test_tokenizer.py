@@ -8,11 +8,12 @@ Rendering must be byte-identical to transformers' apply_chat_template, and the t
 """
 import json
 import os
+import shutil
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from ppo_core import load_tokenizer
+from ppo_core import CheckpointError, load_tokenizer
 from ppo_core.chat_template import render_chat_template
 
 transformers = pytest.importorskip("transformers")
@@ -296,3 +297,124 @@ def test_save_pretrained_round_trip(tmp_path, llama3_dir):
     chat = CONVERSATIONS[1]
     assert again.apply_chat_template(chat, tokenize=False) == tok.apply_chat_template(chat, tokenize=False)
     assert again.special_tokens_map == tok.special_tokens_map
+
+
+# ---------------------------------------------------------------------------- stop tokens: generation_config.json
+
+def with_generation_config(src, dst, generation_config):
+    """A copy of the tokenizer directory `src` with generation_config.json (a dict is written as JSON, a str as is)."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "generation_config.json"), "w") as f:
+        f.write(generation_config if isinstance(generation_config, str) else json.dumps(generation_config))
+    return str(dst)
+
+
+def test_generation_config_eos_ids_join_the_tokenizers_eos(tmp_path, qwen3_dir):
+    """Qwen3's layout: eos_token <|im_end|> in tokenizer_config.json, generation_config.json lists <|endoftext|> and
+    <|im_end|>. eos_token_ids = the tokenizer's EOS first, then the file's ids in order, each once; as a set, what
+    transformers' generate stops at (its GenerationConfig's eos_token_id, plus the tokenizer's)."""
+    plain = load_tokenizer(qwen3_dir)
+    im_end, endoftext = plain.token_to_id("<|im_end|>"), plain.token_to_id("<|endoftext|>")
+    assert plain.eos_token_ids == [im_end] and plain.generation_config is None  # no file: the tokenizer's EOS alone
+    generation_config = {"bos_token_id": endoftext, "do_sample": True, "eos_token_id": [endoftext, im_end],
+                         "pad_token_id": endoftext, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    path = with_generation_config(qwen3_dir, tmp_path / "list", generation_config)
+    ours = load_tokenizer(path)
+    assert ours.eos_token_ids == [im_end, endoftext]
+    assert ours.eos_token_id == im_end and ours.pad_token_id == endoftext  # unchanged
+    reference = transformers.GenerationConfig.from_pretrained(path)
+    reference_eos = transformers.AutoTokenizer.from_pretrained(path).eos_token_id
+    assert set(ours.eos_token_ids) == set(reference.eos_token_id) | {reference_eos}
+    # an int, and a tokenizer without an eos_token: the file's ids alone
+    single = load_tokenizer(with_generation_config(qwen3_dir, tmp_path / "int", {"eos_token_id": endoftext}))
+    assert single.eos_token_ids == [im_end, endoftext]
+    no_eos_dir = write_tokenizer(tmp_path / "no_eos", QWEN3_SPECIAL, {})
+    no_eos = load_tokenizer(with_generation_config(no_eos_dir, tmp_path / "no_eos_gc",
+                                                   {"eos_token_id": [endoftext, im_end, endoftext]}))
+    assert no_eos.eos_token_id is None and no_eos.eos_token_ids == [endoftext, im_end]
+    null = load_tokenizer(with_generation_config(qwen3_dir, tmp_path / "null", {"eos_token_id": None}))
+    assert null.eos_token_ids == [im_end]
+
+
+def test_save_pretrained_keeps_generation_config(tmp_path, qwen3_dir):
+    """The saved directory has the same generation_config.json (every key, in its order) and the same stop ids."""
+    generation_config = {"top_p": 0.95, "eos_token_id": [7, 3], "do_sample": True, "transformers_version": "4.51.0"}
+    tok = load_tokenizer(with_generation_config(qwen3_dir, tmp_path / "src", generation_config))
+    tok.save_pretrained(str(tmp_path / "out"))
+    with open(tmp_path / "out" / "generation_config.json") as f:
+        saved = json.load(f)
+    assert saved == generation_config and list(saved) == list(generation_config)
+    again = load_tokenizer(str(tmp_path / "out"))
+    assert again.eos_token_ids == tok.eos_token_ids == [tok.token_to_id("<|im_end|>"), 7, 3]
+    # a tokenizer read without one writes none
+    load_tokenizer(qwen3_dir).save_pretrained(str(tmp_path / "bare"))
+    assert not os.path.exists(tmp_path / "bare" / "generation_config.json")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "generation_config.json: not valid JSON"),
+    ("[1, 2]", "generation_config.json: expected a JSON object, got list"),
+    ({"eos_token_id": "<|im_end|>"}, "generation_config.json: eos_token_id must be a token id or a list of token ids"),
+    ({"eos_token_id": [1, "2"]}, "eos_token_id must be a token id"),
+    ({"eos_token_id": [1, -1]}, "eos_token_id must be a token id"),
+    ({"eos_token_id": True}, "eos_token_id must be a token id"),
+])
+def test_malformed_generation_config_is_a_checkpoint_error(tmp_path, qwen3_dir, content, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(with_generation_config(qwen3_dir, tmp_path / "bad", content))
+
+
+# ---------------------------------------------------------------------------- encode_prompt: the post-processor
+
+WORDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "reverse": 3, "the": 4, "word": 5, "banana": 6, "=": 7}
+
+
+def write_word_level(path, post_processor, config=None):
+    """A WordLevel tokenizer over WORDS with an optional post_processor, and its tokenizer_config.json."""
+    tok = Tokenizer(models.WordLevel(WORDS, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    if post_processor is not None:
+        tok.post_processor = post_processor
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", **(config or {})}, f)
+    return str(path)
+
+
+BOS_TEMPLATE = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+
+
+@pytest.mark.parametrize("post_processor, config, added", [
+    (BOS_TEMPLATE, None, ([1], [])),  # Llama-family: BOS in front
+    (processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]), None, ([1], [2])),
+    (None, None, ([], [])),  # no post_processor: the plain encoding
+    # transformers 5 drops add_bos_token when a tokenizer.json exists: the post_processor alone decides
+    (None, {"add_bos_token": True}, ([], [])),
+    (BOS_TEMPLATE, {"add_bos_token": False}, ([1], [])),
+], ids=["bos", "bos_and_eos", "none", "add_bos_token_without_template", "template_despite_add_bos_token_false"])
+def test_encode_prompt_is_transformers_tokenizer_call(tmp_path, post_processor, config, added):
+    path = write_word_level(tmp_path / "tok", post_processor, config)
+    ours = load_tokenizer(path)
+    for ref in (transformers.AutoTokenizer.from_pretrained(path),
+                transformers.PreTrainedTokenizerFast.from_pretrained(path)):
+        for text in ("reverse the word banana =", "banana", "the <s> word"):
+            assert ours.encode_prompt(text) == ref(text)["input_ids"], (text, type(ref).__name__)
+    before, after = added
+    assert ours.encode_prompt("reverse the word banana =") == before + [3, 4, 5, 6, 7] + after
+    assert ours.encode("reverse the word banana =") == [3, 4, 5, 6, 7]  # encode adds nothing, whatever the template
+
+
+def test_encode_prompt_of_a_byte_level_tokenizer(tmp_path):
+    """Qwen-style: a ByteLevel post_processor adds no token, so encode_prompt is encode, as in transformers."""
+    path = write_tokenizer(tmp_path / "qwen", QWEN3_SPECIAL, {"eos_token": "<|im_end|>"})
+    with open(os.path.join(path, "tokenizer.json")) as f:
+        spec = json.load(f)
+    spec["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(spec, f)
+    ours, ref = both(path)
+    text = "Reverse the word 'banana'!"
+    assert ours.encode_prompt(text) == ref(text)["input_ids"] == ours.encode(text)
