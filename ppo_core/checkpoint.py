@@ -119,18 +119,20 @@ def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, cr
         tokenizer.save_pretrained(tmp)
     del policy_state
     hook("policy")
-    critic_state = export_state(critic)
-    if rank0:
-        critic.save_pretrained(os.path.join(tmp, "critic"), state_dict=critic_state)
-    del critic_state
+    if critic is not None:  # critic-free estimators have none
+        critic_state = export_state(critic)
+        if rank0:
+            critic.save_pretrained(os.path.join(tmp, "critic"), state_dict=critic_state)
+        del critic_state
     hook("critic")
+    roles = _roles(policy, policy_opt, critic, critic_opt)
     if rank0 and lora.has_lora(policy) and not sharded:  # sharded: the adapters are in sharded/
-        save_file({**trainable_tensors(policy, "policy"), **trainable_tensors(critic, "critic")},
+        save_file({k: v for role, (model, _) in roles.items() for k, v in trainable_tensors(model, role).items()},
                   os.path.join(tmp, TRAINABLE_FILE))
     if sharded:
-        save_sharded(os.path.join(tmp, SHARDED_DIR), {"policy": (policy, policy_opt), "critic": (critic, critic_opt)})
+        save_sharded(os.path.join(tmp, SHARDED_DIR), roles)
     else:
-        save_file({**optimizer_tensors(policy_opt, "policy"), **optimizer_tensors(critic_opt, "critic")},
+        save_file({k: v for role, (_, opt) in roles.items() for k, v in optimizer_tensors(opt, role).items()},
                   os.path.join(tmp, "optimizer.safetensors"))
     hook("optimizer")
     if rank0:
@@ -165,6 +167,14 @@ def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, cr
     if sharded:
         dist.barrier()
     return final
+
+
+def _roles(policy, policy_opt, critic, critic_opt) -> dict:
+    """role -> (model, optimizer) of the trainable models: the policy, and the critic when there is one."""
+    roles = {"policy": (policy, policy_opt)}
+    if critic is not None:
+        roles["critic"] = (critic, critic_opt)
+    return roles
 
 
 def export_state(model) -> dict:
@@ -321,16 +331,18 @@ def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generat
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
+        roles = _roles(policy, policy_opt, critic, critic_opt)
         if from_shards:
-            load_sharded(os.path.join(path, SHARDED_DIR), {"policy": (policy, policy_opt), "critic": (critic, critic_opt)})
+            load_sharded(os.path.join(path, SHARDED_DIR), roles)
         else:
             if lora.has_lora(policy):  # the base is the run's starting checkpoint, already loaded
                 trainable = load_file(os.path.join(path, TRAINABLE_FILE))
-                load_trainable_tensors(policy, trainable, "policy", path)
-                load_trainable_tensors(critic, trainable, "critic", path)
+                for role, (model, _) in roles.items():
+                    load_trainable_tensors(model, trainable, role, path)
             else:
                 _load_into(policy, path)
-                _load_into(critic, os.path.join(path, "critic"))
+                if critic is not None:
+                    _load_into(critic, os.path.join(path, "critic"))
             opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
         rng = load_file(os.path.join(path, "rng.safetensors"))
     except CheckpointError:
@@ -338,8 +350,8 @@ def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generat
     except Exception as e:  # OSError, JSON errors, safetensors' own error for a truncated file
         raise CheckpointError(f"cannot load checkpoint {path}: {e}") from None
     if not from_shards:
-        load_optimizer_tensors(policy_opt, opt_tensors, "policy")
-        load_optimizer_tensors(critic_opt, opt_tensors, "critic")
+        for role, (_, opt) in roles.items():
+            load_optimizer_tensors(opt, opt_tensors, role)
     for name, g in generators.items():
         g.set_state(rng[f"generator.{name}"])
     torch.set_rng_state(rng["torch.cpu"])

@@ -49,7 +49,10 @@ class PPOConfig:
     iterations: int = 60
     """Number of PPO iterations (rollout, then ppo_epochs of updates)."""
     rollout_batch_size: int = 64
-    """Prompts sampled per iteration (one response each), summed over all processes."""
+    """Prompts sampled per iteration, summed over all processes; each is sampled n_samples_per_prompt times, so a
+    rollout holds rollout_batch_size * n_samples_per_prompt sequences (minibatch_size and micro_batch_size count sequences)."""
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt: a group, the unit of the critic-free estimators' baselines (GRPO uses 8-64)."""
     max_new_tokens: int = 12
     """Longest response; a response that has not produced EOS by then is cut."""
     temperature: float = 1.0
@@ -58,8 +61,25 @@ class PPOConfig:
     """Nucleus sampling threshold (1.0 = off)."""
     top_k: int = 0
     """Sample only among the k most likely tokens (0 = off)."""
+    allow_filtered_sampling: bool = False
+    """Train with top_p < 1 or top_k > 0 anyway. Refused by default: old, new and reference log-probs and the KL are
+    those of the unfiltered tempered softmax, not of the truncated distribution the tokens were sampled from."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025): drop groups whose scores are all equal (no group-relative signal) and
+    sample more prompts until rollout_batch_size groups are kept, at most filter_groups_max_batches batches; a batch
+    still short then trains on the groups it has. Needs n_samples_per_prompt > 1."""
+    filter_groups_max_batches: int = 4
+    """The most prompt batches sampled per iteration with filter_groups (the first one included)."""
 
     # ------------------------------------------------------------------ PPO update
+    adv_estimator: str = "gae"
+    """Advantage estimator (ppo_core.algo): 'gae' (PPO with a critic), or critic-free: 'grpo' (group-normalised score),
+    'dr_grpo' (group-centred score), 'rloo' (leave-one-out baseline), 'reinforce_pp' (discounted return whitened over
+    the batch), 'reinforce_pp_baseline' (group-centred, then batch-whitened). Critic-free runs build, train and save
+    no critic. The group estimators use each response's summed reward (score minus its KL penalty when kl_in_reward)."""
+    policy_loss_kind: str = "ppo"
+    """'ppo': the token-level clipped surrogate. 'gspo': GSPO's sequence-level ratio (Zheng et al. 2025), the length-
+    normalised sequence likelihood ratio clipped per sequence (use clip_low/clip_high around 3e-4/4e-4)."""
     ppo_epochs: int = 4
     """Passes over each rollout batch."""
     minibatch_size: int = 32
@@ -86,7 +106,7 @@ class PPOConfig:
     warmup_steps: int = 10
     """Optimizer steps of linear LR warm-up from 0."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at min_lr_ratio * lr after the last optimizer step."""
+    """Cosine decay reaches min_lr_ratio * lr at the last optimizer step."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm of each model to this (0 = no clipping)."""
     clip_low: float = 0.2
@@ -97,6 +117,13 @@ class PPOConfig:
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c*|A| (0 = off)."""
     value_clip: float = 0.2
     """Critic predictions move at most this far from the rollout's values per update (0 = no clipping)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef * the aggregated entropy of the tempered policy (0 = off)."""
+    target_kl: float = 0.0
+    """Early stop: an iteration's remaining minibatches and epochs are skipped once a step's approx KL(old || new)
+    exceeds this (CleanRL / Spinning Up; 0 = off). Its schedule steps are skipped too, so the LR schedule stays on time."""
+    critic_warmup: int = 0
+    """Iterations at the start that train only the critic (the policy is not updated); gae only."""
     loss_agg: str = "token-mean"
     """How per-token losses are reduced: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     gamma: float = 1.0
@@ -104,7 +131,8 @@ class PPOConfig:
     lam: float = 0.95
     """GAE lambda."""
     whiten_advantages: bool = True
-    """Whiten advantages over the rollout batch (masked mean/variance)."""
+    """Whiten GAE advantages over the rollout batch (masked mean/variance). The critic-free estimators normalise as
+    their papers do and ignore it."""
 
     # ------------------------------------------------------------------ reward and KL
     kl_coef: float = 0.05
@@ -114,15 +142,25 @@ class PPOConfig:
     kl_horizon: float = 10000.0
     """Adaptive KL horizon, in samples."""
     kl_in_reward: bool = True
-    """True: k1 KL folded into the per-token reward. False: kl_loss_kind KL added to the policy loss."""
+    """True: the kl_reward_kind KL estimate folded into the per-token reward. False: kl_loss_kind KL added to the policy loss."""
+    kl_reward_kind: str = "k1"
+    """KL estimator in the reward when kl_in_reward: k1 (log pi - log ref, TRL's default), k2 or k3 (clamped as verl)."""
     kl_loss_kind: str = "k3"
-    """KL estimator used in the loss when kl_in_reward is False: k1, k2 or k3."""
+    """KL estimator in the loss when kl_in_reward is False. On-policy, their gradients differ: k1's is zero in
+    expectation (E_pi[grad log pi] = 0), k3's is the gradient of the forward KL(ref || pi) (GRPO, verl's default),
+    k2's is the gradient of the reverse KL(pi || ref)."""
     whiten_rewards: bool = False
     """Whiten the sequence scores over the rollout batch before they enter the rewards."""
     reward_clip: float = 0.0
     """Clamp (possibly whitened) scores to [-reward_clip, reward_clip] (0 = off)."""
     missing_eos_penalty: float = 0.0
-    """Subtracted from the score of a response that ends without EOS (0 = off)."""
+    """Subtracted from the raw score of a response that ends without EOS, before whitening and clipping (0 = off)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong soft penalty (Yu et al. 2025, eq. 13) over the last overlong_buffer tokens of max_new_tokens: a
+    response of length L > max_new_tokens - overlong_buffer gets overlong_penalty * (max_new_tokens - overlong_buffer - L)
+    / overlong_buffer added to its raw score (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Scale of the overlong soft penalty (its value at L = max_new_tokens)."""
 
     # ------------------------------------------------------------------ evaluation, logging, saving
     eval_size: int = 256
@@ -167,6 +205,18 @@ class PPOConfig:
 
 FIELDS = {f.name: f for f in fields(PPOConfig)}
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the other responses to the prompt
+
+
+def uses_critic(cfg) -> bool:
+    """Only GAE reads a value function; the critic-free estimators build none."""
+    return cfg.adv_estimator == "gae"
+
+
+def rollout_rows(cfg) -> int:
+    """Sequences per iteration, over all processes: prompts times responses per prompt."""
+    return cfg.rollout_batch_size * cfg.n_samples_per_prompt
 
 
 def _unknown_key(key, where):
@@ -231,12 +281,13 @@ def validate(cfg: PPOConfig):
         if not ok:
             raise ConfigError(f"config key '{key}' {what}, got {getattr(cfg, key)!r}")
 
-    for key in ("iterations", "rollout_batch_size", "keep_checkpoints", "max_skipped_updates", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
+    for key in ("iterations", "rollout_batch_size", "n_samples_per_prompt", "filter_groups_max_batches", "keep_checkpoints", "max_skipped_updates", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
     for key in ("lr", "critic_lr", "temperature", "kl_horizon"):
         need(getattr(cfg, key) > 0, key, "must be > 0")
     for key in ("weight_decay", "adam_eps", "warmup_steps", "max_grad_norm", "clip_low", "clip_high", "value_clip",
-                "kl_coef", "kl_target", "reward_clip", "missing_eos_penalty", "eval_every", "save_every", "top_k", "threads"):
+                "kl_coef", "kl_target", "reward_clip", "missing_eos_penalty", "entropy_coef", "target_kl", "critic_warmup",
+                "overlong_buffer", "overlong_penalty", "eval_every", "save_every", "top_k", "threads"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -248,6 +299,18 @@ def validate(cfg: PPOConfig):
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1")
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
     need(cfg.kl_loss_kind in ("k1", "k2", "k3"), "kl_loss_kind", "must be one of k1, k2, k3")
+    need(cfg.kl_reward_kind in ("k1", "k2", "k3"), "kl_reward_kind", "must be one of k1, k2, k3")
+    need(cfg.adv_estimator in ADV_ESTIMATORS, "adv_estimator", f"must be one of {', '.join(ADV_ESTIMATORS)}")
+    need(cfg.policy_loss_kind in ("ppo", "gspo"), "policy_loss_kind", "must be ppo or gspo")
+    need(cfg.adv_estimator not in GROUP_ESTIMATORS or cfg.n_samples_per_prompt > 1, "n_samples_per_prompt",
+         f"must be > 1 for adv_estimator={cfg.adv_estimator!r} (its baseline comes from the other responses to the prompt)")
+    need(not cfg.filter_groups or cfg.n_samples_per_prompt > 1, "filter_groups", "needs n_samples_per_prompt > 1")
+    need(cfg.critic_warmup == 0 or uses_critic(cfg), "critic_warmup", f"needs a critic (adv_estimator='gae'), not {cfg.adv_estimator!r}")
+    need(cfg.critic_warmup < cfg.iterations, "critic_warmup", f"must be < iterations ({cfg.iterations})")
+    need(cfg.overlong_buffer <= cfg.max_new_tokens, "overlong_buffer", f"must be <= max_new_tokens ({cfg.max_new_tokens})")
+    need(cfg.allow_filtered_sampling or (cfg.top_p == 1.0 and cfg.top_k == 0), "top_p" if cfg.top_p != 1.0 else "top_k",
+         "filters the sampling distribution, but log-probs, ratio and KL are of the unfiltered one; "
+         "set allow_filtered_sampling=true to train so anyway")
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), "dtype", "must be auto, float32 or bfloat16")
     need(cfg.parallel in ("ddp", "fsdp"), "parallel", "must be ddp or fsdp")
@@ -256,8 +319,9 @@ def validate(cfg: PPOConfig):
     need(cfg.lora_rank > 0 or cfg.lora_alpha == 0, "lora_alpha", "needs lora_rank > 0")
     need(not cfg.cpu_offload or cfg.parallel == "fsdp", "cpu_offload", "needs parallel='fsdp'")
     need(cfg.task in ("reverse",), "task", "must be 'reverse' (the built-in task)")
-    need(cfg.minibatch_size <= cfg.rollout_batch_size, "minibatch_size", f"must be <= rollout_batch_size ({cfg.rollout_batch_size})")
-    need(cfg.rollout_batch_size % cfg.minibatch_size == 0, "rollout_batch_size", f"must be a multiple of minibatch_size ({cfg.minibatch_size})")
+    rows = rollout_rows(cfg)
+    need(cfg.minibatch_size <= rows, "minibatch_size", f"must be <= rollout_batch_size * n_samples_per_prompt ({rows})")
+    need(rows % cfg.minibatch_size == 0, "rollout_batch_size", f"times n_samples_per_prompt ({rows}) must be a multiple of minibatch_size ({cfg.minibatch_size})")
     need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
     need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
     need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")

@@ -66,6 +66,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def all_reduce_max_int(x: int) -> int:
     if not dist.is_initialized():
         return x

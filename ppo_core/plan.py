@@ -3,6 +3,7 @@
     ppo-plan --policy configs/models/Qwen3-4B --gpus 8 --sharding fsdp --prompt-len 512 --response-len 1024
     ppo-plan --policy ckpt/Qwen3-8B --reward-model ckpt/Skywork-Reward-V2-Qwen3-8B --lora-rank 64 --json
     ppo-plan --config configs/default.toml --prompt-len 8            # the run config of ppo-train
+    ppo-plan --policy configs/models/Qwen3-1.7B --no-critic           # GRPO, RLOO, REINFORCE++: no critic
 
 A role's checkpoint is a directory holding config.json or the config.json itself; nothing else is read.
 Parameters are counted by building the model on the meta device (no memory, no weights), so they are
@@ -11,8 +12,9 @@ this library's models exactly: `CausalLM` for the policy and reference, `ScoreMo
 
 Roles. policy: trainable CausalLM. reference: frozen CausalLM (default: the policy's config; with LoRA and
 no --reference it is the policy's own base with adapters off, so it costs nothing). critic: trainable
-ScoreModel (default: the policy's backbone). reward model: frozen ScoreModel (default: none, the reward is
-a function).
+ScoreModel (default: the policy's backbone; none at all with --no-critic, for the critic-free estimators grpo,
+dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, which build, train and run no critic). reward model: frozen
+ScoreModel (default: none, the reward is a function).
 
 Model state, n = parameters of the role, G = GPUs:
   trainable, full fine-tuning (mixed-precision AdamW), 18 B/param:
@@ -60,7 +62,7 @@ saves in this hand-written model (ppo_core/model.py), per block:
   after the head's backward has finished: kept = L a N H + once + head, and
   peak = max(kept + head transient, kept + (one block) + last-block transient).
   The policy and the critic run their forward + backward one after the other, so the training phase needs the
-  larger of the two, not the sum.
+  larger of the two, not the sum (the policy's alone without a critic).
 
 Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)):
   KV cache = 2 (k and v) x B x nkv x hs x 2 bytes (bf16) x sum over layers of their slots: P + R for full
@@ -265,8 +267,11 @@ def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=Fa
 
 def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
          response_len=1024, rollout_batch=64, micro_batch=4, lora_rank=0, sharding="none", offload=False,
-         activation_checkpointing=False) -> dict:
-    """The memory plan as a dict (what --json prints). Raises PlanError / CheckpointError on bad input."""
+         activation_checkpointing=False, critic_free=False) -> dict:
+    """The memory plan as a dict (what --json prints). Raises PlanError / CheckpointError on bad input.
+
+    critic_free: a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline): no "critic"
+    role at all (no weights, gradients, optimizer state, activations or scoring forward)."""
     for name, value in (("gpus", gpus), ("prompt_len", prompt_len), ("response_len", response_len),
                         ("rollout_batch", rollout_batch), ("micro_batch", micro_batch)):
         if value < 1:
@@ -279,12 +284,16 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         raise PlanError(f"--sharding must be none or fsdp, got {sharding!r}")
     if offload and sharding != "fsdp":
         raise PlanError("--offload needs --sharding fsdp (FSDP2 offloads the sharded state)")
+    if critic_free and critic:
+        raise PlanError(f"--critic {critic} and --no-critic: a critic-free run has no critic")
     fsdp = sharding == "fsdp"
     shard = gpus if fsdp else 1
     P, R, M = prompt_len, response_len, micro_batch
     B = math.ceil(rollout_batch / gpus)  # rollouts per GPU
 
-    configs = {"policy": policy, "reference": reference or policy, "critic": critic or policy}
+    configs = {"policy": policy, "reference": reference or policy}
+    if not critic_free:
+        configs["critic"] = critic or policy
     if reward_model:
         configs["reward_model"] = reward_model
     shared_base = lora_rank > 0 and (not reference or os.path.abspath(reference) == os.path.abspath(policy))
@@ -334,13 +343,13 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
     generation = max(forward_working_set(policy_args, B, P, prefill=True), 40 * B * policy_args.vocab_size)
     scoring = max(forward_working_set(shape["args"], M, P + R) for shape in shapes.values())
     rollout_phase = max(kv + generation, scoring)
-    training_phase = max(roles[r]["activation_gb"] * GB for r in ("policy", "critic"))
+    training_phase = max(roles[r]["activation_gb"] * GB for r in ("policy", "critic") if r in roles)
     buffers = 9 * B * (P + R) + 10 * 4 * B * R
     per_gpu = state + gather + max(rollout_phase, training_phase) + buffers + CUDA_OVERHEAD_BYTES
     return {
         "roles": roles,
         "gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "sharding": sharding, "offload": offload,
-        "lora_rank": lora_rank, "activation_checkpointing": activation_checkpointing,
+        "lora_rank": lora_rank, "activation_checkpointing": activation_checkpointing, "critic_free": critic_free,
         "prompt_len": P, "response_len": R, "rollout_batch": rollout_batch, "rollout_batch_per_gpu": B,
         "micro_batch": M,
         "model_state_gb": state / GB,
@@ -374,6 +383,8 @@ def format_plan(p: dict) -> str:
         extras.append("CPU offload")
     if p["activation_checkpointing"]:
         extras.append("activation checkpointing")
+    if p["critic_free"]:
+        extras.append("no critic")
     lines = [
         f"{p['gpus']} GPU(s) x {p['gpu_memory_gb']:g} GB; prompt {p['prompt_len']} + response {p['response_len']} tokens; "
         f"rollout batch {p['rollout_batch']} ({p['rollout_batch_per_gpu']} per GPU), micro-batch {p['micro_batch']} per GPU",
@@ -398,7 +409,8 @@ def format_plan(p: dict) -> str:
     lines += [
         f"rollout phase                   {p['rollout_phase_gb']:9.2f} GB   (KV cache {p['kv_cache_gb']:.2f} + "
         f"generation {p['generation_working_set_gb']:.2f}; scoring {p['scoring_working_set_gb']:.2f})",
-        f"training phase (activations)    {p['training_phase_gb']:9.2f} GB   (the larger of policy and critic)",
+        f"training phase (activations)    {p['training_phase_gb']:9.2f} GB   "
+        + ("(the policy's)" if p["critic_free"] else "(the larger of policy and critic)"),
         f"rollout buffers + CUDA overhead {p['rollout_buffers_gb'] + p['cuda_overhead_gb']:9.2f} GB",
         f"per GPU                         {p['per_gpu_gb']:9.2f} GB of {p['gpu_memory_gb']:g}: "
         + ("fits" if p["fits"] else "does NOT fit") + f" ({p['headroom_gb']:+.2f} GB)",
@@ -413,8 +425,9 @@ def build_parser():
     parser.add_argument("--critic", default="", help="critic checkpoint or config.json (default: the policy's backbone)")
     parser.add_argument("--reference", default="", help="reference checkpoint or config.json (default: the policy)")
     parser.add_argument("--reward-model", default="", help="reward model checkpoint or config.json (default: none)")
-    parser.add_argument("--config", default="", help="a ppo-train TOML: policy, reference, critic, rollout_batch_size, "
-                        "max_new_tokens, micro_batch_size, gradient_checkpointing (flags given here win)")
+    parser.add_argument("--config", default="", help="a ppo-train TOML: policy, reference, critic, "
+                        "rollout_batch_size x n_samples_per_prompt, max_new_tokens, micro_batch_size, "
+                        "gradient_checkpointing, adv_estimator (no critic unless gae) (flags given here win)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs in the run (default 1)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GB = 1e9 bytes (default 80)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens P (default 512)")
@@ -426,6 +439,8 @@ def build_parser():
     parser.add_argument("--offload", action="store_true", help="FSDP CPU offload of the sharded state")
     parser.add_argument("--activation-checkpointing", action="store_true", default=None,
                         help="recompute each block's activations in the backward pass")
+    parser.add_argument("--no-critic", action="store_true", default=None, help="critic-free estimator "
+                        "(grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline): no critic model")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -434,20 +449,24 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     values = dict(policy=args.policy, critic=args.critic, reference=args.reference, gpus=args.gpus,
                   prompt_len=args.prompt_len, response_len=args.response_len, rollout_batch=args.rollout_batch,
-                  micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing)
+                  micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing,
+                  critic_free=args.no_critic)
     defaults = dict(gpus=1, prompt_len=512, response_len=1024, rollout_batch=64, micro_batch=4,
-                    activation_checkpointing=False)
+                    activation_checkpointing=False, critic_free=False)
     try:
         if args.config:
-            from .config import ConfigError, build_config, load_toml
+            from .config import ConfigError, build_config, load_toml, rollout_rows, uses_critic
             try:
                 run = build_config(load_toml(args.config), toml_path=args.config)
             except ConfigError as e:
                 raise PlanError(str(e)) from None
             defaults.update(policy=run.policy or DEMO_CHECKPOINT, critic=run.critic, reference=run.reference,
-                            rollout_batch=run.rollout_batch_size, response_len=run.max_new_tokens,
-                            micro_batch=run.micro_batch_size, activation_checkpointing=run.gradient_checkpointing)
+                            rollout_batch=rollout_rows(run), response_len=run.max_new_tokens,
+                            micro_batch=run.micro_batch_size, activation_checkpointing=run.gradient_checkpointing,
+                            critic_free=not uses_critic(run))
         values = {k: (v if v not in (None, "") else defaults.get(k, v)) for k, v in values.items()}
+        if values["critic_free"] and not args.critic:
+            values["critic"] = ""  # a critic named in the TOML does not count in a critic-free run
         if not values["policy"]:
             raise PlanError("--policy is required (a checkpoint directory or config.json), or --config with a policy")
         result = plan(values.pop("policy"), reward_model=args.reward_model, gpu_memory_gb=args.gpu_memory_gb,

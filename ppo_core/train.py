@@ -1,19 +1,26 @@
-"""The PPO training loop: rollout -> score -> rewards -> GAE -> ppo_epochs of clipped updates.
+"""The training loop: rollout -> score -> rewards -> advantages -> ppo_epochs of clipped updates.
 
-    ppo-train                                    # the default job: the shipped demo checkpoint, CPU, ~2 min
+    ppo-train                                    # the default job: the shipped demo checkpoint, CPU, ~30 s
+    ppo-train --adv_estimator=grpo --n_samples_per_prompt=8       # GRPO on the same task, no critic
     ppo-train --config configs/default.toml --iterations=100 --out runs/mine
-    python -m ppo_core.train --lr=5e-4
 
 One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO"):
-  1. rollout:  sample one response per prompt from the policy (KV-cache decoding)
-  2. forward:  old log-probs and entropy (policy), reference log-probs, values (critic), all with the
-               training code path, so the first minibatch's ratio is exactly 1 on the CPU (on a GPU, GEMM
-               and attention kernels chosen by batch shape make it ~1e-3 off under bf16 autocast)
-  3. score:    the reward function or model gives one scalar per response
-  4. rewards:  r_t = -beta * KL_t on every token, + score on the last real token (ppo_core.algo)
-  5. GAE:      advantages and returns; advantages whitened over the batch
-  6. update:   ppo_epochs over shuffled minibatches, gradient accumulation over micro-batches, clipped
-               surrogate for the policy, clipped value loss for the critic, AdamW, warm-up + cosine LR
+  1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
+               filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)
+  2. score:    the reward function or model gives one scalar per response
+  3. forward:  old log-probs and entropy (policy), reference log-probs, values (critic, if any), all with the
+               training code path, so the first minibatch's ratio is 1 up to the order of a log-sum-exp (measured
+               as policy/first_ratio_max_dev: 0.0 for the CPU demo, ~1e-6 at large vocabularies, ~1e-3 on a GPU
+               under bf16 autocast, where GEMM and attention kernels are chosen by batch shape)
+  4. rewards:  penalties on the raw score (missing EOS, overlong), optional whitening and clipping; then
+               r_t = -beta * KL_t on every token, + the score on the last real token (ppo_core.algo)
+  5. advantages, by cfg.adv_estimator (ppo_core.algo): GAE with the critic's values, whitened over the batch;
+               or critic-free: the group-relative baselines of GRPO / Dr. GRPO / RLOO / REINFORCE++-baseline
+               over each response's total reward, or REINFORCE++'s whitened discounted return
+  6. update:   ppo_epochs over shuffled minibatches (stopped early past target_kl), gradient accumulation over
+               micro-batches, the clipped surrogate (PPO's token ratio or GSPO's sequence ratio, + entropy bonus,
+               + KL loss term) for the policy, the clipped value loss for the critic, AdamW, warm-up + cosine LR;
+               the first critic_warmup iterations train the critic alone
 Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
 """
 import contextlib
@@ -31,7 +38,7 @@ import ppo_kernels
 
 from . import algo, checkpoint, lora
 from . import distributed as dist
-from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli
+from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli, rollout_rows, uses_critic
 from .generate import generate
 from .model import CheckpointError, load_model, load_score_model
 from .rewards import RewardError, load_prompts, make_reward_source
@@ -108,6 +115,7 @@ class Rollout:
     old_values: torch.Tensor  # [B, R]
     entropy: torch.Tensor  # [B, R]
     scores: torch.Tensor  # [B]
+    group: torch.Tensor  # [B] int64: the prompt's index in the global batch; a prompt's n responses share it
     rewards: torch.Tensor = None  # [B, R]
     advantages: torch.Tensor = None  # [B, R]
     returns: torch.Tensor = None  # [B, R]
@@ -122,11 +130,22 @@ def render_prompt(tokenizer, prompt, cfg):
     return prompt
 
 
+def prompt_token_ids(tokenizer, prompt, cfg):
+    """The prompt's token ids as the policy sees them: its chat-template rendering as is (the template writes any
+    BOS itself), or the plain text with what the tokenizer's post-processor adds (a BOS for Llama-family
+    checkpoints), as transformers' tokenizer(text) does."""
+    if cfg is not None and cfg.chat_template:
+        return tokenizer.encode(render_prompt(tokenizer, prompt, cfg))
+    ids, plain = tokenizer.encode_prompt(prompt), tokenizer.encode(prompt)
+    if ids[-1:] != plain[-1:] and ids[-1:] and ids[-1] in tokenizer.eos_token_ids:
+        ids = ids[:-1]  # a post-processor that also appends EOS ("<s> $A </s>") would end the text the policy continues
+    return ids
+
+
 def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
     """Left-pad the encoded (rendered) prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool.
     `prompts` may also be lists of token ids already encoded."""
-    encoded = [p if isinstance(p, list) else tokenizer.encode(render_prompt(tokenizer, p, cfg) if cfg else p)
-               for p in prompts]
+    encoded = [p if isinstance(p, list) else prompt_token_ids(tokenizer, p, cfg) for p in prompts]
     P = max(pad_to, max(len(e) for e in encoded))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
@@ -146,14 +165,14 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     cast cache keeps one per call) and keeps a bf16 KV cache (generate picks the autocast dtype)."""
     device = next(policy.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded or prompts, device, pad_to, cfg)
-    eos = tokenizer.eos_token_id
+    eos = tokenizer.eos_token_ids  # every stop token: the tokenizer's EOS and generation_config.json's
     with dist.gathered(policy), autocast():  # FSDP: full weights for the whole call, no collective per step
         tokens = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
                           eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
                           global_rows=rows, cuda_graph=cfg.cuda_graph and device.type == "cuda")
     # The response is every token up to and including the first EOS.
-    is_eos = tokens == eos
+    is_eos = torch.isin(tokens, torch.tensor(eos, device=tokens.device))
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # [B, R] strictly after the first EOS
     response_mask = (~after_eos).float()
     ended_with_eos = is_eos.any(-1)
@@ -161,28 +180,121 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos
 
 
+@dataclass
+class Sampled:
+    """Responses sampled and scored, before any log-prob: B rows, prompts left-padded to P, responses right-padded."""
+
+    prompts: list
+    responses: list
+    prompt_ids: torch.Tensor  # [B, P] int64
+    prompt_mask: torch.Tensor  # [B, P] bool
+    tokens: torch.Tensor  # [B, R] int64
+    response_mask: torch.Tensor  # [B, R] float32
+    ended: torch.Tensor  # [B] bool, the response ends with an EOS
+    scores: torch.Tensor  # [B] float32
+
+
 @torch.no_grad()
-def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
-                    pad_to, rows, encoded):
+def sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded):
+    """One response per row of `prompts`, and its score from the reward source (under the policy passes' autocast)."""
     policy.eval()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(
         policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast)
-    input_ids = torch.cat([prompt_ids, tokens], dim=1)  # [B, P+R]
-    attention_mask = torch.cat([prompt_mask, response_mask.bool()], dim=1)
-    P = prompt_ids.shape[1]
+    with autocast():  # a reward model scores under the same autocast as the policy passes
+        scores = reward_source(prompts, responses)  # [B] float32 (on the CPU for a reward function), validated
+    return Sampled(prompts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(tokens.device))
+
+
+@torch.no_grad()
+def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast) -> Rollout:
+    """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
+    without a critic), in micro-batches. group: [B] int64, each row's prompt id in the global batch."""
+    policy.eval()
+    input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
+    attention_mask = torch.cat([sampled.prompt_mask, sampled.response_mask.bool()], dim=1)
+    response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
     old_logprobs, entropy, ref_logprobs, old_values = [], [], [], []
-    for mb in micro_batches(len(prompts), cfg.micro_batch_size):
+    for mb in micro_batches(len(sampled.prompts), cfg.micro_batch_size):
         args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
         with autocast():
             lp, ent = response_logprobs(policy, *args)
             ref_lp, _ = reference_logprobs(policy, reference, *args)
-            v = response_values(critic, input_ids[mb], attention_mask[mb], P)
+            v = response_values(critic, input_ids[mb], attention_mask[mb], P) if critic is not None else torch.zeros_like(lp)
         old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
-    with autocast():  # a reward model scores under the same autocast as the policy passes
-        scores = reward_source(prompts, responses)  # [B] float32 (on the CPU for a reward function), validated
-    return Rollout(prompts, responses, input_ids, attention_mask, response_mask, P,
+    return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
                    torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(old_values) * response_mask,
-                   torch.cat(entropy), scores.to(input_ids.device)), ended
+                   torch.cat(entropy), sampled.scores, group.to(input_ids.device))
+
+
+def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
+                    pad_to, rows, encoded, group):
+    """Sample and score one response per row, then run the training code path over them. -> (Rollout, ended [B])."""
+    sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded)
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended
+
+
+def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast):
+    """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
+    consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
+    scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
+    -> (Rollout, ended [b], stats {"filter/...": float})."""
+    rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
+    rows_total = rollout_rows(cfg)
+    b = rows_total // world
+    local = slice(rank * b, (rank + 1) * b)
+    kept, stats, batches = [], {}, cfg.filter_groups_max_batches if cfg.filter_groups else 1
+    for batch in range(batches):
+        # Sampling noise is a function of (seed, iteration, batch) alone, so processes that finish decoding
+        # at different steps, and a resumed run, all draw the same noise for every row.
+        generator.manual_seed(cfg.seed * 1_000_003 + it + batch * 1_000_000_007)
+        global_prompts = [p for p in stream.next_batch(cfg.rollout_batch_size) for _ in range(n)]  # [rows_total]
+        prompts = global_prompts[local]
+        encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
+        pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
+        sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to,
+                                   (rank * b, rows_total), encoded)
+        if not cfg.filter_groups:
+            group = torch.arange(rows_total)[local] // n  # [b] the prompt's index in the global batch
+            return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+        everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
+        varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
+        kept.append((everything, varied))
+        n_varied = sum(int(v.sum()) for _, v in kept) // n
+        stats = {"filter/batches": batch + 1, "filter/kept_groups_frac": n_varied / (cfg.rollout_batch_size * (batch + 1))}
+        if n_varied >= cfg.rollout_batch_size:
+            break
+    # The first rollout_batch_size varied groups, in sampling order; a batch still short after
+    # filter_groups_max_batches is topped up with dropped groups (whose group-relative advantages are 0).
+    rows = [(i, j) for i, (_, v) in enumerate(kept) for j in v.nonzero().squeeze(1).tolist()]
+    rows += [(i, j) for i, (_, v) in enumerate(kept) for j in (~v).nonzero().squeeze(1).tolist()]
+    rows = rows[:rows_total][local]
+    sampled = select_sampled([e for e, _ in kept], rows, tokenizer)
+    group = torch.arange(rows_total)[local] // n
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+
+
+def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
+    """Every process's rows of `sampled`, in rank order (responses padded to max_new_tokens first)."""
+    pad = cfg.max_new_tokens - sampled.tokens.shape[1]
+    tokens = torch.nn.functional.pad(sampled.tokens, (0, pad), value=tokenizer.pad_token_id)
+    response_mask = torch.nn.functional.pad(sampled.response_mask, (0, pad))
+    parts = [dist.all_gather_rows(t) for t in (sampled.prompt_ids, sampled.prompt_mask, tokens, response_mask,
+                                               sampled.ended, sampled.scores)]
+    responses = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(parts[2].cpu(), parts[3].cpu())]
+    return Sampled(global_prompts, responses, *parts)
+
+
+def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
+    """Rows (batch index, row index) of several Sampled batches as one; prompts left-padded to the widest."""
+    P = max(s.prompt_ids.shape[1] for s in batches)
+    def left_pad(t, value):  # [B, p] -> [B, P]
+        return torch.nn.functional.pad(t, (P - t.shape[1], 0), value=value)
+    picked = [(batches[i], j) for i, j in rows]
+    return Sampled([s.prompts[j] for s, j in picked], [s.responses[j] for s, j in picked],
+                   torch.stack([left_pad(s.prompt_ids, tokenizer.pad_token_id)[j] for s, j in picked]),
+                   torch.stack([left_pad(s.prompt_mask, False)[j] for s, j in picked]),
+                   torch.stack([s.tokens[j] for s, j in picked]), torch.stack([s.response_mask[j] for s, j in picked]),
+                   torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]))
 
 
 def micro_batches(n, size, order=None):
@@ -195,89 +307,127 @@ def micro_batches(n, size, order=None):
 # ---------------------------------------------------------------------------- advantages
 
 def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_with_eos):
-    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> GAE -> whitened advantages.
+    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> advantages by cfg.adv_estimator.
 
-    Computed on the GLOBAL batch (all processes' rows gathered), so batch statistics — reward and
-    advantage whitening — are those of the whole batch; each process keeps its own rows."""
+    Computed on the GLOBAL batch (all processes' rows gathered), so batch statistics (reward and advantage
+    whitening, a prompt's group of responses) are those of the whole batch; each process keeps its own rows.
+    Penalties (missing EOS, overlong) apply to the raw scores, before whitening and clipping."""
     lo, hi = dist.rank() * len(rollout.prompts), (dist.rank() + 1) * len(rollout.prompts)
     mask = dist.all_gather_rows(rollout.response_mask)  # [B_global, R]
     old_logprobs, ref_logprobs = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
     old_values, ended = dist.all_gather_rows(rollout.old_values), dist.all_gather_rows(ended_with_eos)
-    scores = algo.normalize_scores(dist.all_gather_rows(rollout.scores), whiten=cfg.whiten_rewards, clip=cfg.reward_clip or None)
-    kl = algo.kl_estimate(old_logprobs, ref_logprobs, "k1") if cfg.kl_in_reward else None
-    rewards = algo.per_token_rewards(scores, mask, kl=kl, kl_coef=kl_coef, ended_with_eos=ended,
-                                     missing_eos_penalty=cfg.missing_eos_penalty or None)
-    advantages, returns = algo.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
-        advantages = algo.masked_whiten(advantages, mask)
+    scores, group = dist.all_gather_rows(rollout.scores), dist.all_gather_rows(rollout.group)
+    if cfg.missing_eos_penalty:
+        scores = torch.where(ended, scores, scores - cfg.missing_eos_penalty)
+    if cfg.overlong_buffer:
+        scores = scores + cfg.overlong_penalty * algo.overlong_penalty(mask.sum(-1), cfg.max_new_tokens, cfg.overlong_buffer)
+    scores = algo.normalize_scores(scores, whiten=cfg.whiten_rewards, clip=cfg.reward_clip or None)
+    kl = algo.kl_estimate(old_logprobs, ref_logprobs, cfg.kl_reward_kind) if cfg.kl_in_reward else None
+    rewards = algo.per_token_rewards(scores, mask, kl=kl, kl_coef=kl_coef)  # [B, R]
+    if cfg.adv_estimator == "gae":
+        advantages, returns = algo.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = algo.masked_whiten(advantages, mask)
+    else:
+        returns = algo.discounted_returns(rewards, mask, cfg.gamma)  # Monte Carlo return; a target for no critic
+        if cfg.adv_estimator == "reinforce_pp":
+            advantages = algo.masked_whiten(returns, mask)
+        else:
+            # each response's total reward (its score, minus its KL penalty with kl_in_reward) against its group's
+            advantages = algo.group_advantages(rewards.sum(-1), group, mask, cfg.adv_estimator)
     rollout.rewards, rollout.advantages, rollout.returns = rewards[lo:hi], advantages[lo:hi], returns[lo:hi]
 
 
 # ---------------------------------------------------------------------------- the update
 
 def lr_at(step, total_steps, cfg: PPOConfig):
-    """Linear warm-up for warmup_steps, then cosine decay to min_lr_ratio of the peak at the last step."""
+    """The LR multiplier at optimizer step `step` (0-based) of total_steps: linear warm-up to the peak at step
+    warmup_steps - 1, then cosine decay that reaches min_lr_ratio at the last step, total_steps - 1."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    progress = (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg):
-    """The policy's minibatch loss on one micro-batch: the clipped surrogate (+ kl_coef * KL to the reference
-    when the KL is a loss term, cfg.kl_in_reward = False). Returns (loss to backward, pg_loss, kl_loss, stats).
+    """The policy's minibatch loss on one micro-batch: the clipped surrogate (cfg.policy_loss_kind: PPO's token ratio
+    or GSPO's sequence ratio), + kl_coef * KL to the reference when the KL is a loss term (cfg.kl_in_reward = False),
+    - entropy_coef * entropy. Returns (loss to backward, pg_loss, kl_loss, stats).
 
     fused: ppo_kernels.linear_policy_loss forms the log-probs, the loss and its gradients from the hidden
-    states and the LM head tile by tile, never the [B*R, V] logits; otherwise full logits, log_softmax +
-    gather and ppo_core.algo, the plain reference a researcher edits."""
+    states and the LM head tile by tile, never the [B*R, V] logits (GSPO, whose ratio spans a whole sequence, runs
+    on ppo_kernels.linear_token_logprobs' fused log-probs and entropy, with their own backward); otherwise full
+    logits, log_softmax + gather and ppo_core.algo, the plain reference a researcher edits."""
     labels = response_labels(ids, rm, P)
     kl_in_loss = not cfg.kl_in_reward
-    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
+    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    want_entropy = cfg.entropy_coef != 0.0
 
     def fused_head(hidden, weight):
         return ppo_kernels.linear_policy_loss(
-            hidden, weight, labels, old_logp, advantages, rm, temperature=cfg.temperature, **clip, **agg,
-            ref_logp=ref_logp if kl_in_loss else None, kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind)
+            hidden, weight, labels, old_logp, advantages, rm, temperature=cfg.temperature, **clip,
+            dual_clip=cfg.dual_clip or None, **agg, ref_logp=ref_logp if kl_in_loss else None,
+            kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
 
-    def reference_head(hidden, weight):
+    def logprob_head(hidden, weight):  # -> (log-probs [B, R], entropy [B, R] or None), with gradient
+        if cfg.fused_kernels:
+            B, R, H = hidden.shape
+            out = ppo_kernels.linear_token_logprobs(hidden.reshape(B * R, H), weight, labels.reshape(B * R),
+                                                    temperature=cfg.temperature, return_entropy=want_entropy)
+            return (out[0].view(B, R), out[1].view(B, R)) if want_entropy else (out.view(B, R), None)
         logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
-        return ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature)
+        out = ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature, return_entropy=want_entropy)
+        return out if want_entropy else (out, None)
 
-    if cfg.fused_kernels:
-        loss, stats = response_head(policy, ids, am, P, fused_head)
+    if cfg.fused_kernels and cfg.policy_loss_kind == "ppo":
+        loss, stats = response_head(policy, ids, am, P, fused_head)  # the KL and entropy terms are inside
         logp = stats["logp"]  # detached; the KL term's value is reported separately below
     else:
-        logp = response_head(policy, ids, am, P, reference_head)
-        loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, **agg)
+        logp, entropy = response_head(policy, ids, am, P, logprob_head)
+        if cfg.policy_loss_kind == "gspo":
+            loss, stats = algo.gspo_policy_loss(logp, old_logp, advantages, rm, **clip, num_seqs=agg["num_seqs"])
+        else:
+            loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, dual_clip=cfg.dual_clip or None, **agg)
+        if want_entropy:
+            # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
+            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, rm, agg["agg"], num_tokens=agg["num_tokens"],
+                                                            num_seqs=agg["num_seqs"])
+            stats["entropy"] = algo.masked_mean(entropy.detach(), rm)
     kl_loss = torch.zeros((), device=ids.device)  # on the loop's device: stacked with the losses below
     if kl_in_loss:
-        kl_loss = algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
+        kl_loss = algo.aggregate(algo.kl_estimate(logp.detach(), ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
                                  num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
-        if not cfg.fused_kernels:
-            loss = loss + kl_coef * kl_loss
-    pg_loss = loss.detach() - kl_coef * kl_loss.detach() if kl_in_loss else loss.detach()
+        if not (cfg.fused_kernels and cfg.policy_loss_kind == "ppo"):
+            loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
+                                                   num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+    # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
+    pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
     return loss, pg_loss, kl_loss.detach(), stats
 
 
-def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn):
+def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn, train_policy=True):
     """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic.
 
     Minibatches are drawn from one permutation of the GLOBAL batch (the same on every process); each
     process runs the rows of the minibatch that it holds, in micro-batches, and the gradients are summed
     across processes (DDP / FSDP, on the last micro-batch) before `step_fn` steps the optimizers.
-    `policy` and `critic` are what training forwards run through (a DDP wrapper, an FSDP or plain model).
+    `policy` and `critic` are what training forwards run through (a DDP wrapper, an FSDP or plain model);
+    critic is None for the critic-free estimators. train_policy=False (critic warm-up) trains the critic alone.
+    With cfg.target_kl, the iteration stops after the first step whose approx KL(old || new) exceeds it.
 
     Host reads. On a GPU every read of a device value on the host (.item(), .tolist(), bool()) waits for all
     the work queued before it, so the loop makes them in one place per optimizer step: `minibatch_gradients`
     only queues device work; then `_read_step_stats` copies the step's statistics to the host in one read,
-    and `step_fn` (Optimizers.step) reads whether the gradients are finite. Shuffling and row selection are
+    and `step_fn` (Optimizers.step) reads the gradient norms (are they finite?). Shuffling and row selection are
     host work on CPU tensors, no device read. (The model's forward reads whether the attention mask has
     padding: ppo_core.model.) tests/test_fake_cuda.py runs this on fake CUDA tensors and checks where reads are."""
-    policy.train(), critic.train()
+    policy.train()
+    if critic is not None:
+        critic.train()
     b = rollout.input_ids.shape[0]
     world, lo = dist.world_size(), dist.rank() * b
     stats: dict[str, list] = {}
-    first_ratio_dev = None
+    first_ratio_dev, ratio_max_dev, steps, stopped = None, 0.0, 0, False
     for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(b * world, generator=generator)  # [b*world] CPU, the same on every process
         for start in range(0, b * world, cfg.minibatch_size):
@@ -287,31 +437,63 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
             # up); each process knows every process's rows from the shared permutation, so no collective.
             rows_per_process = (mb_global[None, :] // b == torch.arange(world)[:, None]).sum(-1)  # [world] CPU
             n_micro = -(-int(rows_per_process.max()) // cfg.micro_batch_size)  # ceil
-            sums, counts, first_ratio = minibatch_gradients(policy, critic, rollout, mb, n_micro, cfg, kl_coef, autocast)
-            values, tokens, ratio_dev = _read_step_stats(sums, counts, first_ratio)
+            sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, mb, n_micro, cfg, kl_coef, autocast,
+                                                           train_policy)
+            values, tokens, (first_dev, max_dev) = _read_step_stats(sums, counts, ratio_devs)
             for name, value, per_token in zip(MB_STATS, values, MB_STATS_PER_TOKEN):
                 _append(stats, name, value / tokens if per_token else value)
             if first_ratio_dev is None:
-                first_ratio_dev = ratio_dev
-            step_fn()
+                first_ratio_dev = first_dev
+            ratio_max_dev = max(ratio_max_dev, max_dev)
+            for name, norm in step_fn(train_policy).items():
+                _append(stats, name, norm)
+            steps += 1
+            # Early stop (Spinning Up's PPO): the policy has moved as far from the sampling policy as allowed
+            if cfg.target_kl and train_policy and stats["policy/approx_kl"][-1] > cfg.target_kl:
+                stopped = True
+                break
+        if stopped:
+            break
     out = {k: float(np.mean(v)) for k, v in stats.items()}  # means over the optimizer steps
-    if cfg.kl_in_reward:
-        out.pop("policy/kl_loss")
-    # rank 0's first micro-batch: old log-probs come from the training code path, so every process's first ratio
-    # is exactly 1 on the CPU; on a GPU, kernels picked by batch shape (cuBLAS, SDPA) make it ~1e-3 off under bf16
-    out["policy/first_ratio_max_dev"] = first_ratio_dev
+    for name in _unused_stats(cfg, critic is not None, train_policy):
+        out.pop(name, None)
+    out["train/steps"] = steps
+    if train_policy:
+        out["policy/ratio_max_dev"] = ratio_max_dev
+        # the processes' first micro-batches: old log-probs come from the training code path, so every process's first ratio
+        # is 1 up to the order of the log-sum-exp (bit-exact for the CPU demo: ~1e-6 at large vocabularies); on a GPU,
+        # kernels picked by batch shape (cuBLAS, SDPA) make it ~1e-3 off under bf16 autocast
+        out["policy/first_ratio_max_dev"] = first_ratio_dev
     return out
 
 
-def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOConfig, kl_coef, autocast):
+def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
+    """The MB_STATS and norms that this configuration does not compute."""
+    unused = []
+    if not train_policy:
+        unused += [n for n in MB_STATS + ("policy/grad_norm",) if n.startswith("policy/")]
+    else:
+        if cfg.kl_in_reward:
+            unused.append("policy/kl_loss")
+        if not cfg.dual_clip or cfg.policy_loss_kind == "gspo":
+            unused.append("policy/dual_clipfrac")
+        if not cfg.entropy_coef:
+            unused.append("policy/entropy")
+    if not has_critic:
+        unused += [n for n in MB_STATS + ("value/grad_norm",) if n.startswith("value/")]
+    return unused
+
+
+def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOConfig, kl_coef, autocast, train_policy=True):
     """Forward and backward of policy and critic over this process's rows `mb` (a CPU index tensor) of one
     minibatch, in n_micro micro-batches (a process short of rows runs one of its rows with no token in the loss:
-    gradient 0); gradients accumulate in .grad and are summed over processes on the last micro-batch.
+    gradient 0); gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
+    (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
 
     Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
     float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
     global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
-    sequence counts) and first_ratio_dev [] (max |ratio - 1| of the first micro-batch)."""
+    sequence counts) and ratio_devs [2] (max |ratio - 1| of the processes' first micro-batches, and of all of them)."""
     device, P = rollout.input_ids.device, rollout.prompt_len
     mask_mb = rollout.response_mask[mb]
     # Global denominators for the whole minibatch, so the micro-batch losses of all processes
@@ -320,42 +502,57 @@ def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOC
     agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
     chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
     sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
-    first_ratio_dev = None
+    zero = torch.zeros((), device=device)
+    first_ratio_dev, max_ratio_dev = None, zero
     for i in range(n_micro):
         rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
         ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
         if i >= len(chunks):
             rm = torch.zeros_like(rm)
         last = i == n_micro - 1
-        with dist.gradient_sync(policy, last):
-            with autocast():
-                loss, pg_loss, kl_loss, pg_stats = policy_objective(
-                    policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
-                    rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
-            loss.backward()
-        with dist.gradient_sync(critic, last):
-            with autocast():
-                values = response_values(critic, ids, am, P).float()
-            vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
-                                                clip=cfg.value_clip or None, **agg)
-            vf_loss.backward()
-        if first_ratio_dev is None:
-            first_ratio_dev = pg_stats["ratio_max_dev"].detach()
         n = rm.sum()
-        sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss, pg_stats["clipfrac"] * n,
-                             pg_stats["approx_kl"] * n, vf_stats["clipfrac"] * n]).double()
-    return dist.all_reduce_sum(sums), counts, first_ratio_dev
+        pg_loss = kl_loss = vf_loss = zero
+        pg_stats, vf_stats = {}, {}
+        if train_policy:
+            with dist.gradient_sync(policy, last):
+                with autocast():
+                    loss, pg_loss, kl_loss, pg_stats = policy_objective(
+                        policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
+                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
+                loss.backward()
+            if first_ratio_dev is None:
+                first_ratio_dev = pg_stats["ratio_max_dev"].detach()
+            max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
+        if critic is not None:
+            with dist.gradient_sync(critic, last):
+                with autocast():
+                    values = response_values(critic, ids, am, P).float()
+                vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
+                                                    clip=cfg.value_clip or None, **agg)
+                vf_loss.backward()
+        sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss] + [
+            (vf_stats if name.startswith("value/") else pg_stats).get(_STAT_KEYS[name], zero) * n for name in MB_STATS[3:]
+        ]).double()
+    if first_ratio_dev is None:
+        first_ratio_dev = zero
+    return dist.all_reduce_sum(sums), counts, dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev]))
 
 
-def _read_step_stats(sums, counts, first_ratio_dev):
-    """The optimizer step's one read of statistics: sums, the token count and the first ratio's deviation
-    copied to the host together. -> (MB_STATS values, max(tokens, 1), first_ratio_dev) as Python floats."""
-    host = torch.cat([sums, counts[:1].double(), first_ratio_dev.double().view(1)]).tolist()
-    return host[: len(MB_STATS)], max(host[-2], 1.0), host[-1]
+def _read_step_stats(sums, counts, ratio_devs):
+    """The optimizer step's one read of statistics: sums, the token count and the ratio deviations copied to the
+    host together. -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev)) as Python floats."""
+    host = torch.cat([sums, counts[:1].double(), ratio_devs.double()]).tolist()
+    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-2:])
 
 
-MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/approx_kl", "value/clipfrac")
-MB_STATS_PER_TOKEN = (False, False, False, True, True, True)
+# the statistics summed over micro-batches and processes; the last ones are masked means times the token count
+MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/dual_clipfrac",
+            "policy/approx_kl", "policy/ratio_mean", "policy/entropy", "value/clipfrac", "value/values_mean")
+MB_STATS_PER_TOKEN = (False, False, False, True, True, True, True, True, True, True)
+# their keys in policy_loss's / value_loss's stats
+_STAT_KEYS = {"policy/clipfrac": "clipfrac", "policy/dual_clipfrac": "dual_clipfrac", "policy/approx_kl": "approx_kl",
+              "policy/ratio_mean": "ratio_mean", "policy/entropy": "entropy", "value/clipfrac": "clipfrac",
+              "value/values_mean": "values_mean"}
 
 
 def _append(stats, key, value):
@@ -367,41 +564,64 @@ class NonFiniteUpdates(RuntimeError):
 
 
 class Optimizers:
-    """AdamW for policy and critic, the LR schedule, and the skip-on-NaN rule, stepped together."""
+    """AdamW for policy and critic (None for the critic-free estimators), the LR schedules, and the skip-on-NaN rule,
+    stepped together.
 
-    def __init__(self, policy, critic, cfg: PPOConfig, total_steps, log):
+    Schedules run over optimizer steps: step k of iteration i is number i * steps_per_iter + k, so an iteration that
+    stops early (target_kl) leaves the schedule on time. The critic's spans all iterations; the policy's starts after
+    cfg.critic_warmup iterations (when it first steps) and spans the rest."""
+
+    def __init__(self, policy, critic, cfg: PPOConfig, steps_per_iter, log):
         def adamw(model, lr):
             return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
-        self.cfg, self.total_steps, self.log = cfg, total_steps, log
-        self.models = (policy, critic)
-        self.policy_opt, self.critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
+        self.cfg, self.steps_per_iter, self.log = cfg, steps_per_iter, log
+        self.policy, self.critic = policy, critic
+        self.policy_opt = adamw(policy, cfg.lr)
+        self.critic_opt = adamw(critic, cfg.critic_lr) if critic is not None else None
         self.step_count = 0
         self.consecutive_skips = 0
         self.skipped = 0
         self.iteration = 0
 
-    def zero_grad(self):
-        for m in self.models:
-            m.zero_grad(set_to_none=True)
+    def start_iteration(self, it):
+        """Iteration `it` (0-based) begins: its first optimizer step is number it * steps_per_iter."""
+        self.iteration = it + 1
+        self.step_count = it * self.steps_per_iter
 
-    def step(self):
-        """Clip the (already summed over processes) gradients and step both optimizers — unless any gradient is not
-        finite, in which case no weight is touched and the update is counted as skipped."""
+    def lr_scales(self, step):
+        """(policy, critic) multipliers of the peak learning rates at optimizer step `step`."""
+        cfg, warm = self.cfg, self.cfg.critic_warmup * self.steps_per_iter
+        critic = lr_at(step, cfg.iterations * self.steps_per_iter, cfg)
+        policy = lr_at(max(0, step - warm), (cfg.iterations - cfg.critic_warmup) * self.steps_per_iter, cfg)
+        return policy, critic
+
+    def zero_grad(self):
+        for m in (self.policy, self.critic):
+            if m is not None:
+                m.zero_grad(set_to_none=True)
+
+    def step(self, train_policy=True):
+        """Clip the (already summed over processes) gradients and step the optimizers (the critic's alone when not
+        train_policy) — unless any gradient is not finite, in which case no weight is touched and the update is
+        counted as skipped. Returns the gradient norms before clipping: {"policy/grad_norm", "value/grad_norm"}."""
         cfg = self.cfg
-        scale = lr_at(self.step_count, self.total_steps, cfg)
-        norms = []
-        for model in self.models:
+        policy_scale, critic_scale = self.lr_scales(self.step_count)
+        stepped = [("policy", self.policy, self.policy_opt, cfg.lr * policy_scale)] if train_policy else []
+        if self.critic is not None:
+            stepped.append(("value", self.critic, self.critic_opt, cfg.critic_lr * critic_scale))
+        names, norms = [], []
+        for name, model, _, _ in stepped:
             params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
             if params:
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-                norms.append(dist.local_tensor(norm).float())
-        finite = not norms or bool(torch.isfinite(torch.stack(norms)).all())  # the step's one host read of the gradients
-        if finite:
-            for opt, lr in ((self.policy_opt, cfg.lr), (self.critic_opt, cfg.critic_lr)):
+                names.append(f"{name}/grad_norm"), norms.append(dist.local_tensor(norm).float())
+        host_norms = torch.stack(norms).tolist() if norms else []  # the step's one host read of the gradients
+        if all(math.isfinite(n) for n in host_norms):
+            for _, _, opt, lr in stepped:
                 for group in opt.param_groups:
-                    group["lr"] = lr * scale
+                    group["lr"] = lr
                 opt.step()
             self.consecutive_skips = 0
         else:
@@ -413,6 +633,7 @@ class Optimizers:
                                        f"updates had a non-finite loss or gradient (max_skipped_updates={cfg.max_skipped_updates})")
         self.zero_grad()
         self.step_count += 1
+        return dict(zip(names, host_norms))
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -446,6 +667,28 @@ def resolve_device_dtype(cfg):
     return device, param_dtype, use_autocast
 
 
+def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
+    """Tokenizer, policy, critic (None for the critic-free estimators: nothing built, trained or saved) and the
+    frozen reference: the policy itself when LoRA adapters switched off give the reference weights."""
+    tokenizer = load_tokenizer(policy_path)
+    policy = load_model(policy_path, dtype=param_dtype, device=device)
+    critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device) if uses_critic(cfg) else None
+    trainable = [m for m in (policy, critic) if m is not None]
+    if cfg.lora_rank:
+        init = torch.Generator(device=device).manual_seed(cfg.seed + 2)  # the same adapters on every process
+        for model in trainable:
+            lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha or None, generator=init)
+    if cfg.lora_rank and not cfg.reference:
+        reference = policy  # the base weights: the policy with its adapters off (see reference_logprobs)
+    else:
+        reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
+    if tokenizer.vocab_size > policy.args.vocab_size:
+        raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
+    for model in trainable:
+        model.model.gradient_checkpointing = cfg.gradient_checkpointing
+    return tokenizer, policy, critic, reference
+
+
 def spread_over_processes(policy, critic, reference, reward_source, cfg, device):
     """With more than one process: FSDP2-shard (cfg.parallel='fsdp') or DDP-wrap the trainable models, and
     shard the frozen ones too with cfg.shard_frozen under FSDP. Returns the modules that training forwards
@@ -454,9 +697,10 @@ def spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     if dist.world_size() == 1:
         return policy, critic
     if cfg.parallel == "ddp":
-        return dist.replicate(policy, device), dist.replicate(critic, device)
+        return dist.replicate(policy, device), dist.replicate(critic, device) if critic is not None else None
     for model in (policy, critic):
-        dist.shard(model, device, cpu_offload=cfg.cpu_offload)
+        if model is not None:
+            dist.shard(model, device, cpu_offload=cfg.cpu_offload)
     if cfg.shard_frozen:
         if reference is not policy:
             dist.shard(reference, device)
@@ -480,24 +724,12 @@ def run(cfg: PPOConfig, resume_from=None):
     device_kind, param_dtype, use_autocast = resolve_device_dtype(cfg)
     rank, world, device = dist.init(device_kind)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
-    if cfg.rollout_batch_size % world or cfg.minibatch_size % world:
-        raise ConfigError(f"config keys 'rollout_batch_size' and 'minibatch_size' must be multiples of the number of processes ({world})")
+    if rollout_rows(cfg) % world or cfg.minibatch_size % world:
+        raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
+                          f"multiples of the number of processes ({world})")
 
     # Everything that can be wrong with the input is checked before the run directory is touched.
-    tokenizer = load_tokenizer(policy_path)
-    policy = load_model(policy_path, dtype=param_dtype, device=device)
-    critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device)
-    if cfg.lora_rank:
-        init = torch.Generator(device=device).manual_seed(cfg.seed + 2)  # the same adapters on every process
-        for model in (policy, critic):
-            lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha or None, generator=init)
-    if cfg.lora_rank and not cfg.reference:
-        reference = policy  # the base weights: the policy with its adapters off (see reference_logprobs)
-    else:
-        reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
-    if tokenizer.vocab_size > policy.args.vocab_size:
-        raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
-    policy.model.gradient_checkpointing = critic.model.gradient_checkpointing = cfg.gradient_checkpointing
+    tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, param_dtype)
     reward_source = make_reward_source(cfg, device, param_dtype)
     policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     sharded = dist.is_sharded(policy)
@@ -515,7 +747,7 @@ def run(cfg: PPOConfig, resume_from=None):
     stream = ListPromptStream(train_prompts, cfg.seed) if train_prompts else PromptStream(cfg.seed, held_out)
     context = policy.args.max_position_embeddings
     for p in held_out + train_prompts:
-        n = len(tokenizer.encode(render_prompt(tokenizer, p, cfg)))
+        n = len(prompt_token_ids(tokenizer, p, cfg))
         if n + cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {p[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds "
                               f"the model's context of {context} tokens")
@@ -529,8 +761,8 @@ def run(cfg: PPOConfig, resume_from=None):
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
     generators = {"sample": sample_gen, "shuffle": shuffle_gen}
-    steps_per_iter = cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
-    opts = Optimizers(policy, critic, cfg, cfg.iterations * steps_per_iter, log)
+    steps_per_iter = cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size)
+    opts = Optimizers(policy, critic, cfg, steps_per_iter, log)
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
               else algo.FixedKLController(cfg.kl_coef))
     eval_seed = cfg.seed + 12345
@@ -563,33 +795,27 @@ def run(cfg: PPOConfig, resume_from=None):
                                               "last_kl": state["last_kl"]},
                                        keep=cfg.keep_checkpoints)
 
-    b = cfg.rollout_batch_size // world
     with runlog.StopSignals() as stop:
         for it in log.iterations(cfg.iterations, start_iter):
-            opts.iteration = it + 1
+            opts.start_iteration(it)
             t_roll = time.perf_counter()
-            # Sampling noise is a function of (seed, iteration) alone, so processes that finish decoding
-            # at different steps, and a resumed run, all draw the same noise for every row.
-            sample_gen.manual_seed(cfg.seed * 1_000_003 + it)
-            global_prompts = stream.next_batch(cfg.rollout_batch_size)
-            prompts = global_prompts[rank * b : (rank + 1) * b]
-            encoded = [tokenizer.encode(render_prompt(tokenizer, p, cfg)) for p in prompts]  # rendered once
-            pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
-            rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg,
-                                             sample_gen, autocast, pad_to, (rank * b, cfg.rollout_batch_size), encoded)
+            rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
+                                                             reward_source, cfg, sample_gen, autocast)
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)
             t_train = time.perf_counter()
-            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step)
+            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step,
+                                     train_policy=it >= cfg.critic_warmup)
             t_end = time.perf_counter()
 
             # Metrics over the global batch.
             mask = dist.all_gather_rows(rollout.response_mask)
             old_lp, ref_lp = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
             scores = dist.all_gather_rows(rollout.scores)
+            advantages, returns = dist.all_gather_rows(rollout.advantages), dist.all_gather_rows(rollout.returns)
             kl_tok = algo.kl_estimate(old_lp, ref_lp, "k1")
             state["last_kl"] = algo.masked_mean(kl_tok, mask).item()
-            kl_ctl.update(state["last_kl"], cfg.rollout_batch_size)
+            kl_ctl.update(state["last_kl"], rollout_rows(cfg))
             metrics = {
                 "step": it + 1,
                 "reward/mean": scores.mean().item(),
@@ -600,16 +826,21 @@ def run(cfg: PPOConfig, resume_from=None):
                 "kl/coef": kl_coef,
                 "entropy/mean": algo.masked_mean(dist.all_gather_rows(rollout.entropy), mask).item(),
                 **train_stats,
+                **filter_stats,
                 "train/skipped_updates": opts.skipped,
-                "value/explained_var": algo.explained_variance(
-                    dist.all_gather_rows(rollout.old_values), dist.all_gather_rows(rollout.returns), mask),
+                "advantages/mean": algo.masked_mean(advantages, mask).item(),
+                "advantages/std": algo.masked_var(advantages, mask).sqrt().item(),
+                "returns/mean": algo.masked_mean(returns, mask).item(),
+                "returns/std": algo.masked_var(returns, mask).sqrt().item(),
                 "response/length_mean": mask.sum(-1).mean().item(),
                 "response/eos_frac": dist.all_gather_rows(ended).float().mean().item(),
-                "lr": cfg.lr * lr_at(max(0, opts.step_count - 1), opts.total_steps, cfg),
+                "lr": cfg.lr * opts.lr_scales(max(0, opts.step_count - 1))[0],
                 "time/rollout_s": t_train - t_roll,
                 "time/train_s": t_end - t_train,
                 "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
             }
+            if critic is not None:
+                metrics["value/explained_var"] = algo.explained_variance(dist.all_gather_rows(rollout.old_values), returns, mask)
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
                 metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
             log.metrics(metrics)

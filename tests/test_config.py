@@ -14,7 +14,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 def test_cli_overrides_toml_overrides_defaults(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('lr = 3e-4\nppo_epochs = 2\nkl_in_reward = false\nloss_agg = "seq-mean-token-sum"\ncritic_lr = 1\n')
-    own, overrides = parse_cli(["--config", str(path), "--lr=5e-4", "--whiten_rewards", "--top-k", "7"])
+    own, overrides = parse_cli(["--config", str(path), "--lr=5e-4", "--whiten_rewards", "--top-k", "7",
+                           "--allow_filtered_sampling"])
     cfg = build_config(load_toml(own["config"]), overrides, own["config"])
     assert cfg.lr == 5e-4  # command line wins over the file
     assert cfg.ppo_epochs == 2 and cfg.kl_in_reward is False and cfg.loss_agg == "seq-mean-token-sum"
@@ -37,12 +38,26 @@ def test_default_toml_lists_every_field_with_its_default():
     (["--whiten_advantages=maybe"], "config key 'whiten_advantages' expects bool, got 'maybe'"),
     (["--clip_low=-0.1"], "config key 'clip_low' must be >= 0, got -0.1"),
     (["--clip_low=1.5"], "config key 'clip_low' must be < 1"),
-    (["--minibatch_size=128"], "config key 'minibatch_size' must be <= rollout_batch_size (64), got 128"),
+    (["--minibatch_size=128"], "config key 'minibatch_size' must be <= rollout_batch_size * n_samples_per_prompt (64), got 128"),
     (["--micro_batch_size=64", "--minibatch_size=32"], "config key 'micro_batch_size' must be <= minibatch_size (32), got 64"),
     (["--micro_batch_size=6"], "config key 'minibatch_size' must be a multiple of micro_batch_size (6), got 32"),
     (["--loss_agg=mean"], "config key 'loss_agg' must be one of token-mean"),
     (["--dual_clip=0.5"], "config key 'dual_clip' must be 0 (off) or > 1, got 0.5"),
     (["--top_p=0"], "config key 'top_p' must be in (0, 1], got 0.0"),
+    (["--top_p=0.9"], "config key 'top_p' filters the sampling distribution, but log-probs, ratio and KL are of the "
+                      "unfiltered one; set allow_filtered_sampling=true to train so anyway, got 0.9"),
+    (["--top_k=50"], "config key 'top_k' filters the sampling distribution"),
+    (["--adv_estimator=ppo"], "config key 'adv_estimator' must be one of gae, grpo, dr_grpo, rloo, reinforce_pp, "
+                              "reinforce_pp_baseline, got 'ppo'"),
+    (["--adv_estimator=grpo"], "config key 'n_samples_per_prompt' must be > 1 for adv_estimator='grpo'"),
+    (["--rollout_batch_size=10", "--n_samples_per_prompt=3", "--minibatch_size=20", "--micro_batch_size=10"],
+     "config key 'rollout_batch_size' times n_samples_per_prompt (30) must be a multiple of minibatch_size (20), got 10"),
+    (["--adv_estimator=rloo", "--n_samples_per_prompt=4", "--critic_warmup=2"],
+     "config key 'critic_warmup' needs a critic (adv_estimator='gae'), not 'rloo', got 2"),
+    (["--filter_groups"], "config key 'filter_groups' needs n_samples_per_prompt > 1, got True"),
+    (["--kl_reward_kind=k4"], "config key 'kl_reward_kind' must be one of k1, k2, k3, got 'k4'"),
+    (["--policy_loss_kind=cispo"], "config key 'policy_loss_kind' must be ppo or gspo, got 'cispo'"),
+    (["--overlong_buffer=20"], "config key 'overlong_buffer' must be <= max_new_tokens (12), got 20"),
     (["positional"], "unexpected argument 'positional'"),
     (["--lr"], "option --lr needs a value"),
 ])
@@ -86,3 +101,14 @@ def test_entry_point_subprocess_exit_status(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "ppo-train: error: unknown config key 'kl_coeff' (did you mean 'kl_coef'?)"
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name, estimator, rows", [("ppo-qwen3-0.6b.toml", "gae", 128), ("grpo-qwen3-0.6b.toml", "grpo", 128)])
+def test_shipped_configs_for_real_checkpoints_are_valid(name, estimator, rows):
+    from ppo_core.config import rollout_rows, uses_critic
+
+    path = os.path.join(ROOT, "configs", name)
+    cfg = build_config(load_toml(path), toml_path=path)
+    assert cfg.adv_estimator == estimator and rollout_rows(cfg) == rows
+    assert cfg.lr == 1e-6 and cfg.max_new_tokens == 1024 and cfg.chat_template
+    assert uses_critic(cfg) == (estimator == "gae") and (not uses_critic(cfg) or cfg.critic_lr == 1e-5)

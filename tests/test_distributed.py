@@ -71,6 +71,22 @@ def test_two_processes_match_one_seq_mean(tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "two", step=1)
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one_grpo_groups(tmp_path, parallel):
+    """GRPO, 4 prompts x 4 responses: each process holds 2 whole groups, the groups' statistics are over the global
+    batch; with dynamic sampling on, the kept groups are chosen globally. No critic anywhere."""
+    args = ARGS + ["--iterations=2", "--adv_estimator=grpo", "--n_samples_per_prompt=4", "--rollout_batch_size=4",
+                   "--filter_groups", "--filter_groups_max_batches=2"]
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--parallel={parallel}", f"--out={tmp_path / 'two'}"],
+                    tmp_path)
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(tmp_path / "one", tmp_path / "two", step=2)
+    assert not (tmp_path / "two" / "checkpoints" / "step-2" / "critic").exists()
+    assert all(r["filter/batches"] >= 1 for r in metrics(tmp_path / "two"))
+
+
 def kill_mid_rollout_and_resume(args, tmp_path):
     """A 2-process run SIGKILLed in its 2nd iteration's rollout, then resumed under torchrun -> its dir."""
     driver = tmp_path / "driver.py"

@@ -207,7 +207,7 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
     mode, audit = FakeTensorMode(allow_non_fake_inputs=True), DeviceAudit()
     for model in (policy, critic, reference):
         to_fake_cuda(model, mode)
-    opts = train.Optimizers(policy, critic, cfg, total_steps=2, log=None)
+    opts = train.Optimizers(policy, critic, cfg, steps_per_iter=2, log=None)
     with mode, audit:
         assert next(policy.parameters()).device.type == "cuda"
         # a CUDA generator cannot exist without CUDA; the rollout then draws from torch's default CUDA stream
@@ -216,9 +216,10 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
         pad_to = train.dist.all_reduce_max_int(max(len(e) for e in encoded))
         rows = (0, len(prompts)) if world > 1 else None
         rollout, ended = train.collect_rollout(policy, reference, critic, tokenizer, prompts[:b],
-                                               make_reward_source(cfg), cfg, None, ac, pad_to, rows, encoded)
+                                               make_reward_source(cfg), cfg, None, ac, pad_to, rows, encoded,
+                                               torch.arange(b))
         for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
-                     "old_values", "entropy", "scores"):
+                     "old_values", "entropy", "scores", "group"):
             assert getattr(rollout, name).device.type == "cuda", name
         assert rollout.old_logprobs.dtype == rollout.old_values.dtype == torch.float32
         train.compute_advantages(rollout, cfg, 0.05, ended)
@@ -240,8 +241,9 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
     # Device reads of train.py in the update, per optimizer step: the statistics in one read, then the finite
     # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
     ours = [r for r in audit.device_reads if r.startswith("train.py:")]
-    n_stats = len(train.MB_STATS) + 2  # sums, token count, first ratio: one .tolist()
-    assert ours == (["train.py:_read_step_stats"] * n_stats + ["train.py:step"]) * 2, ours
+    n_stats = len(train.MB_STATS) + 3  # sums, token count, first and max ratio deviation: one .tolist()
+    n_norms = 2  # the policy's and the critic's gradient norm: one .tolist()
+    assert ours == (["train.py:_read_step_stats"] * n_stats + ["train.py:step"] * n_norms) * 2, ours
     others = sorted(set(r for r in rollout_reads + audit.device_reads if not r.startswith("train.py:")))
     print("device reads outside train.py:", " ".join(others), file=sys.stderr)
 

@@ -172,6 +172,72 @@ def test_activation_checkpointing_shrinks_the_training_phase(capsys):
     assert ckpt["model_state_gb"] == plain["model_state_gb"]
 
 
+@needs_configs
+@pytest.mark.parametrize("shape", [
+    [],  # the policy's activations are the larger: the total drops by exactly the critic's state
+    ["--prompt-len", "4096", "--response-len", "16", "--micro-batch", "16", "--rollout-batch", "8"],  # the critic's are
+    ["--lora-rank", "16"],
+], ids=["policy_peak", "critic_peak", "lora"])
+def test_no_critic_counts_no_critic(capsys, shape):
+    """--no-critic (grpo, rloo, ...): no critic role; the training phase is the policy's activations; the total is
+    smaller by the critic's train state, plus the training phase's drop where the critic's activations were the peak."""
+    base = ["--policy", config("Qwen3-0.6B"), *shape]
+    with_critic, critic_free = run_json(capsys, *base), run_json(capsys, *base, "--no-critic")
+    assert set(with_critic["roles"]) == {"policy", "reference", "critic"}
+    assert set(critic_free["roles"]) == {"policy", "reference"} and critic_free["critic_free"] is True
+    for role in ("policy", "reference"):
+        assert critic_free["roles"][role] == with_critic["roles"][role]
+    policy_act = with_critic["roles"]["policy"]["activation_gb"]
+    critic_act = with_critic["roles"]["critic"]["activation_gb"]
+    assert with_critic["training_phase_gb"] == max(policy_act, critic_act)
+    assert critic_free["training_phase_gb"] == policy_act
+    critic_state = with_critic["roles"]["critic"]["train_state_gb"]
+    assert critic_free["model_state_gb"] == pytest.approx(with_critic["model_state_gb"] - critic_state, rel=1e-12)
+    rollout = with_critic["rollout_phase_gb"]
+    assert critic_free["rollout_phase_gb"] == rollout  # the critic's scoring forward is the policy's shape here
+    drop = critic_state + max(rollout, policy_act, critic_act) - max(rollout, policy_act)
+    assert with_critic["per_gpu_gb"] - critic_free["per_gpu_gb"] == pytest.approx(drop, rel=1e-12)
+    if shape == []:
+        assert drop == critic_state  # not vacuous: the first case is the plain one ...
+    elif shape[0] == "--prompt-len":
+        assert critic_act > policy_act > rollout  # ... and the second really had the critic at the peak
+
+
+@needs_configs
+def test_no_critic_text_report_and_contradictions(capsys):
+    assert plan.main(["--policy", config("Qwen3-0.6B"), "--no-critic"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip()]
+    assert "policy" in rows and "reference" in rows and "critic" not in rows
+    assert "no critic" in out and "(the policy's)" in out and "larger of policy and critic" not in out
+    assert plan.main(["--policy", config("Qwen3-0.6B")]) == 0
+    assert "critic" in [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert plan.main(["--policy", config("Qwen3-0.6B"), "--critic", config("Qwen3-1.7B"), "--no-critic"]) == 2
+    assert "a critic-free run has no critic" in capsys.readouterr().err
+    # FSDP: the parts still add up; the gather working set is the policy's alone
+    fsdp = run_json(capsys, "--policy", config("Qwen3-0.6B"), "--gpus", "2", "--sharding", "fsdp", "--no-critic")
+    parts = (fsdp["model_state_gb"] + fsdp["fsdp_gather_gb"] + max(fsdp["rollout_phase_gb"], fsdp["training_phase_gb"])
+             + fsdp["rollout_buffers_gb"] + fsdp["cuda_overhead_gb"])
+    assert "critic" not in fsdp["roles"] and fsdp["per_gpu_gb"] == pytest.approx(parts, rel=1e-12)
+    shape = plan.model_shape(json.load(open(config("Qwen3-0.6B"))), score=False)
+    assert fsdp["fsdp_gather_gb"] * 1e9 == 2 * (shape["root"] + 3 * shape["block"])  # root, 2 blocks, 1 of grads
+
+
+def test_run_config_with_a_critic_free_estimator(capsys, tmp_path):
+    """A TOML with adv_estimator = "grpo" plans no critic (even one named there), and its rollout batch is
+    rollout_batch_size x n_samples_per_prompt sequences."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("rollout_batch_size = 16\nn_samples_per_prompt = 4\nminibatch_size = 16\nmicro_batch_size = 8\n"
+                    'max_new_tokens = 20\nadv_estimator = "grpo"\n')
+    result = run_json(capsys, "--config", str(toml), "--prompt-len", "10")
+    assert result["critic_free"] is True and set(result["roles"]) == {"policy", "reference"}
+    assert result["rollout_batch"] == 64
+    gae = tmp_path / "gae.toml"
+    gae.write_text("rollout_batch_size = 16\nminibatch_size = 16\nmicro_batch_size = 8\nmax_new_tokens = 20\n")
+    assert "critic" in run_json(capsys, "--config", str(gae), "--prompt-len", "10")["roles"]
+    assert "critic" not in run_json(capsys, "--config", str(gae), "--prompt-len", "10", "--no-critic")["roles"]
+
+
 def test_run_config_toml_supplies_the_shapes(capsys, tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("rollout_batch_size = 16\nminibatch_size = 8\nmicro_batch_size = 8\nmax_new_tokens = 20\n"
