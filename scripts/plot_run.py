@@ -3,6 +3,8 @@
     python scripts/plot_run.py runs/reverse-20261202-120000            # writes DIR/curves.png
     python scripts/plot_run.py DIR --out curves.png
 
+A panel whose metric the run did not log (the critic's explained variance in a critic-free run) is left empty.
+
 Needs matplotlib (`pip install -e ".[plot]"`); the library itself never imports it.
 """
 import argparse
@@ -39,8 +41,13 @@ def main(argv=None):
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     steps = [r["step"] for r in rows]
     for ax, (key, title) in zip(axes.flat, PANELS):
-        ax.plot(steps, [r.get(key, float("nan")) for r in rows])
         ax.set_title(title)
+        if not any(key in r for r in rows):
+            # e.g. value/explained_var of a critic-free run (adv_estimator other than gae): nothing to draw
+            ax.text(0.5, 0.5, f"{key}\nnot in metrics.jsonl", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.set_xticks([]), ax.set_yticks([])
+            continue
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows])
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
     summary_path = os.path.join(args.run_dir, "summary.json")
