@@ -1,0 +1,249 @@
+"""Answer checking for RL with verifiable rewards: pull the final answer out of a response, compare numbers exactly.
+
+    extract_boxed("so the answer is $\\boxed{\\frac{1}{2}}$")   -> "\\frac{1}{2}"
+    extract_gsm8k("3 + 4 = 7 apples.\\n#### 7")                 -> "7"
+    extract_last_number("It costs $1,000.50 in total.")        -> "1000.50"
+    parse_number("\\dfrac{3}{4}") == parse_number("0.75")      -> True   (both Fraction(3, 4))
+    math_reward("... \\boxed{1,000}", "1000")                  -> 1.0
+
+The three extractors follow the formats math RL data uses: GSM8K's reference solutions end in a line
+`#### <answer>` (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems"); MATH's end in
+`\\boxed{<answer>}` (Hendrycks et al. 2021, "Measuring Mathematical Problem Solving With the MATH Dataset");
+and a model that uses neither is often read by its last number, as the usual GSM8K evaluations do.
+Numbers are compared as `fractions.Fraction`, exactly: "0.5" = "0.50" = "1/2" = "\\frac{1}{2}", and no
+floating-point rounding can make 0.1 + 0.2 differ from 0.3.
+
+All functions are pure, take and return plain strings (or None when there is no answer) and never raise
+on any text. Everything here is written for this library; the behaviour of `extract_boxed` matches
+`last_boxed_only_string` of the MATH repository (hendrycks/math) on well-formed input, except that
+`\\{` and `\\}` (literal braces) do not count as grouping braces and the form without braces
+(`\\boxed 5`) is not read.
+"""
+import re
+from fractions import Fraction
+
+# ---------------------------------------------------------------------------------------- extraction
+
+# A number as written in text: an optional sign (only where it cannot be a binary minus, i.e. not right
+# after a letter, digit or closing bracket), digits with or without thousands separators ("1,000"),
+# an optional decimal part, an optional exponent ("1e3"); or a bare decimal part (".5").
+_NUMBER_IN_TEXT = re.compile(
+    r"(?<![\w.)\]}])[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"  # 1,000.50  -3  1e3
+    r"|(?<![\w.)\]}])[-+]?\.\d+(?:[eE][-+]?\d+)?"  # .5  -.5
+    r"|(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a number right after a letter: x2 -> 2
+)
+# A comma between a digit and a group of exactly three digits: a thousands separator.
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def remove_thousands_commas(text: str) -> str:
+    """Drop the commas that separate groups of three digits; other commas stay.
+
+    >>> remove_thousands_commas("1,234,567 and 1,5 and (1, 2)")
+    '1234567 and 1,5 and (1, 2)'
+    """
+    return _THOUSANDS_COMMA.sub("", text)
+
+
+def extract_gsm8k(text: str) -> str | None:
+    """The answer after the last "####" (GSM8K's format): the rest of that line, stripped, with thousands
+    commas removed. None when there is no "####" or nothing follows it on its line.
+
+    Only the line of the last "####" is read, so an explanation on the following lines is ignored.
+
+    >>> extract_gsm8k("Natalia sold 48 + 24 = 72 clips.\\n#### 72")
+    '72'
+    >>> extract_gsm8k("#### 1,000\\nbecause 10 * 100 = 1000")
+    '1000'
+    >>> extract_gsm8k("#### 3\\n#### 4 ")
+    '4'
+    >>> extract_gsm8k("the answer is 72") is None
+    True
+    """
+    at = text.rfind("####")
+    if at < 0:
+        return None
+    answer = text[at + 4 :].split("\n", 1)[0].strip()
+    return remove_thousands_commas(answer) if answer else None
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` or `\\fbox{...}`, stripped; nested braces are kept whole.
+
+    None when there is no `\\boxed{` / `\\fbox{`, or when the last one's braces never close. A backslash
+    escapes the character after it, so `\\{` and `\\}` (literal braces in LaTeX) do not open or close a
+    group. "Last" means the one that starts last in the text.
+
+    >>> extract_boxed("first \\\\boxed{1}, then \\\\boxed{\\\\frac{1}{2}}")
+    '\\\\frac{1}{2}'
+    >>> extract_boxed("\\\\fbox{ 42 }")
+    '42'
+    >>> extract_boxed("\\\\boxed{\\\\{1, 2\\\\}}")
+    '\\\\{1, 2\\\\}'
+    >>> extract_boxed("\\\\boxed{\\\\frac{1}{2}") is None
+    True
+    """
+    starts = list(_BOXED.finditer(text))
+    if not starts:
+        return None
+    begin = starts[-1].end()  # just after the opening brace
+    depth, i = 1, begin
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2  # a control symbol such as \{ or \\ is one unit
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:i].strip()
+        i += 1
+    return None
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in the text, as written but with thousands commas removed; None if there is none.
+
+    A number has an optional sign, digits (with "," thousands separators or without), an optional
+    decimal part and an optional exponent. A "-" or "+" right after a letter, digit or closing bracket is
+    read as an operator, not as a sign ("5-3" ends in the number "3"). A trailing "." is punctuation.
+
+    >>> extract_last_number("I had 5 apples, ate -2, and paid $1,000.50.")
+    '1000.50'
+    >>> extract_last_number("10-3=7, so x is -7")
+    '-7'
+    >>> extract_last_number("no digits here") is None
+    True
+    """
+    numbers = _NUMBER_IN_TEXT.findall(text)
+    return remove_thousands_commas(numbers[-1]) if numbers else None
+
+
+# ---------------------------------------------------------------------------------------- numbers
+
+# A plain number: sign, digits (thousands commas allowed, but then in groups of three), decimals, exponent.
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+# \frac{a}{b}, \dfrac{a}{b}, \tfrac{a}{b}, and the one-digit shorthand \frac34 of LaTeX.
+_LATEX_FRAC = re.compile(r"([-+]?)\\[dt]?frac\s*(?:\{([^{}]*)\}|(\d))\s*(?:\{([^{}]*)\}|(\d))")
+
+
+def parse_number(s) -> Fraction | None:
+    """The exact value of a number written as text, or None when `s` is not (only) a number.
+
+    Accepted, after stripping whitespace:
+      - integers and decimals with an optional sign and thousands commas: "1000" = "+1000" = "1,000" =
+        "1000.0" = "1,000.00"; ".5"; "5." (a trailing point);
+      - an exponent: "1e3" = 1000, "2.5E-1" = 1/4;
+      - fractions: "3/4", "-3 / 4", "\\frac{3}{4}", "\\dfrac{3}{4}", "\\tfrac{3}{4}", "\\frac34", "-\\frac{3}{4}",
+        "\\frac{-3}{4}" (numerator and denominator are plain numbers; a zero denominator gives None);
+      - around the number: a leading "$" or "\\$" (currency, or opening inline math) and a trailing "$"
+        (closing inline math) are dropped; a trailing "%" or "\\%" is dropped WITHOUT dividing by 100, so
+        "50%" = 50, matching datasets whose answer to "what percent" is the bare number; LaTeX's "{,}"
+        thousands separator reads as ","; a Unicode minus "−" reads as "-".
+    Not accepted: words, units, several numbers ("1 1/2", "3, 4"), "inf", "nan", malformed commas
+    ("1,00"). Python ints, floats and Fractions are accepted too (a float by its shortest repr, so 0.1 is
+    1/10); bools and None give None.
+
+    >>> parse_number("$1,000.00") == 1000
+    True
+    >>> parse_number("\\\\dfrac{3}{4}")
+    Fraction(3, 4)
+    >>> parse_number("12 apples") is None
+    True
+    """
+    if s is None or isinstance(s, bool):
+        return None
+    if isinstance(s, (int, Fraction)):
+        return Fraction(s)
+    if isinstance(s, float):
+        return Fraction(repr(s)) if s == s and abs(s) != float("inf") else None
+    if not isinstance(s, str):
+        return None
+    s = s.strip().replace("\u2212", "-").replace("{,}", ",")
+    if s.startswith("\\$"):
+        s = s[2:]
+    elif s.startswith("$"):
+        s = s[1:]
+    if s.endswith("$") and not s.endswith("\\$"):
+        s = s[:-1]
+    if s.endswith("\\%"):
+        s = s[:-2]
+    elif s.endswith("%"):
+        s = s[:-1]
+    s = s.strip()
+    if _PLAIN_NUMBER.fullmatch(s):
+        return Fraction(s.replace(",", ""))
+    frac = _LATEX_FRAC.fullmatch(s)
+    if frac:
+        sign, num_braced, num_digit, den_braced, den_digit = frac.groups()
+        value = _divide(num_digit if num_braced is None else num_braced, den_digit if den_braced is None else den_braced)
+        return -value if value is not None and sign == "-" else value
+    numerator, slash, denominator = s.partition("/")
+    if slash and "/" not in denominator:
+        return _divide(numerator.strip(), denominator)
+    return None
+
+
+def _divide(numerator: str, denominator: str) -> Fraction | None:
+    """numerator / denominator when both are plain numbers and the denominator is not 0, else None."""
+    numerator, denominator = numerator.strip(), denominator.strip()
+    if not (_PLAIN_NUMBER.fullmatch(numerator) and _PLAIN_NUMBER.fullmatch(denominator)):
+        return None
+    den = Fraction(denominator.replace(",", ""))
+    return Fraction(numerator.replace(",", "")) / den if den != 0 else None
+
+
+def numbers_equal(a, b, rel_tol=0) -> bool:
+    """True when `a` and `b` both parse as numbers (parse_number) and are equal: exactly by default, or
+    within |a - b| <= rel_tol * max(|a|, |b|) when rel_tol > 0 (rel_tol is read as a decimal, 1e-6 = 1/10**6).
+
+    >>> numbers_equal("0.50", "1/2"), numbers_equal("1,000", 1000.0), numbers_equal("3", "x")
+    (True, True, False)
+    >>> numbers_equal("3.14159", "3.1416"), numbers_equal("3.14159", "3.1416", rel_tol=1e-4)
+    (False, True)
+    """
+    x, y = parse_number(a), parse_number(b)
+    if x is None or y is None:
+        return False
+    if not rel_tol:
+        return x == y
+    return abs(x - y) <= Fraction(str(rel_tol)) * max(abs(x), abs(y))
+
+
+# ---------------------------------------------------------------------------------------- reward
+
+def extract_answer(response: str) -> str | None:
+    """The response's final answer: the last \\boxed{...} if any, else the "####" line, else the last number."""
+    for extract in (extract_boxed, extract_gsm8k, extract_last_number):
+        answer = extract(response)
+        if answer is not None:
+            return answer
+    return None
+
+
+def normalize_whitespace(text: str) -> str:
+    """Strip and collapse every run of whitespace to one space: " x  =\\n2 " -> "x = 2"."""
+    return " ".join(text.split())
+
+
+def math_reward(response: str, answer) -> float:
+    """1.0 if the response's final answer (extract_answer) equals `answer`, else 0.0.
+
+    Equal means numerically equal (numbers_equal, exact) when both parse as numbers, and otherwise equal
+    as strings after normalize_whitespace. `answer` is the final answer itself ("72", 72, "\\frac{\\pi}{2}"),
+    not a whole reference solution. A response with no answer at all scores 0.0.
+
+    >>> math_reward("so the total is \\\\boxed{1,000}", "1000"), math_reward("#### 0.50", "1/2")
+    (1.0, 1.0)
+    >>> math_reward("The area is \\\\boxed{\\\\frac{\\\\pi}{2}}", "\\\\frac{\\\\pi}{2}"), math_reward("I give up", "3")
+    (1.0, 0.0)
+    """
+    extracted = extract_answer(response)
+    if extracted is None:
+        return 0.0
+    if parse_number(extracted) is not None and parse_number(answer) is not None:
+        return 1.0 if numbers_equal(extracted, answer) else 0.0
+    return 1.0 if normalize_whitespace(extracted) == normalize_whitespace(str(answer)) else 0.0
