@@ -15,10 +15,11 @@ setup(
     packages=["ppo_core", "ppo_kernels"],
     package_dir={"ppo_core": "ppo_core", "ppo_kernels": "kernels"},
     # the tiny SFT checkpoint of the default job ships inside the package, so `ppo-train` works anywhere
-    package_data={"ppo_core": ["demo/reverse-demo/*"]},
+    package_data={"ppo_core": ["demo/*/*"]},
     install_requires=[
+        # No triton here: torch's CUDA wheels bring the triton they were built with, and a CPU-only install
+        # runs the torch paths (ppo_kernels imports without triton). Only the interpreter-mode tests need it: [test].
         "torch>=2.4",
-        "triton>=3.0; platform_system == 'Linux'",
         "safetensors>=0.4",
         "tokenizers>=0.19",
         "numpy>=1.24",
@@ -27,9 +28,15 @@ setup(
         "tomli>=2.0; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.56", "matplotlib>=3.7", "modal>=1.0"],
+        # the test extra: transformers as a reference, triton for the interpreter-mode kernel tests (a CPU-only
+        # install of the library needs neither), and every optional extra so that no test skips for want of one
+        "test": ["pytest>=8", "transformers>=4.56", "matplotlib>=3.7", "modal>=1.0",
+                 "triton>=3.0; platform_system == 'Linux'", "pyarrow>=14", "tensorboard>=2.14", "wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
         "modal": ["modal>=1.0"],
+        "parquet": ["pyarrow>=14"],
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.17"],
     },
     entry_points={
         "console_scripts": [

@@ -107,7 +107,7 @@ def model_config(args):
 def ppo_iterations(args, ckpt, workdir, device):
     """ppo_core.train.run on the scratch checkpoint; -> (metrics rows, summary, peak bytes or None, seconds)."""
     cfg_fields = {f for f in PPOConfig.__dataclass_fields__}
-    values = dict(policy=ckpt, reward_fn=os.path.join(workdir, "reward.py") + ":reward",
+    values = dict(policy=ckpt, reward_fn=[os.path.join(workdir, "reward.py") + ":reward"],
                   prompts_file=os.path.join(workdir, "prompts.txt"), eval_size=args.eval_size,
                   iterations=args.iterations, rollout_batch_size=args.batch, minibatch_size=args.batch // 2,
                   micro_batch_size=args.micro_batch, ppo_epochs=args.ppo_epochs, max_new_tokens=args.new,

@@ -2,14 +2,22 @@
 
     ppo-train --config configs/default.toml --lr=5e-4 --ppo_epochs 2
 
-Precedence: defaults < the TOML file < command-line overrides. A key that does not exist, a value of the
+Precedence: defaults < the TOML file < command-line overrides. A list field (reward_fn, reward_weights) is a TOML
+list or comma-separated text (`--reward_fn=a.py:f,b.py:g`). `~` in path fields (policy, reference, critic,
+reward_model, prompts_file, eval_prompts_file, out, the file of a reward_fn) is expanded to the home directory.
+`help_text()` lists every field for `ppo-train --help`. A key that does not exist, a value of the
 wrong type or an impossible value is a `ConfigError` whose message names the key (and, for a typo, the
 closest valid key); the command line turns it into one line on stderr and exit status 2.
 """
+import ast
 import dataclasses
 import difflib
+import math
 import os
-from dataclasses import dataclass, fields
+import re
+import textwrap
+import typing
+from dataclasses import dataclass, field, fields
 
 try:
     import tomllib
@@ -31,9 +39,17 @@ class PPOConfig:
     critic: str = ""
     """Critic checkpoint (a *ForSequenceClassification or *ForCausalLM dir). Empty = the policy's backbone with a new zero scalar head."""
     task: str = "reverse"
-    """Built-in task supplying prompts and reward when no prompts_file / reward_fn is given: 'reverse'."""
-    reward_fn: str = ""
-    """A Python reward callable 'module:function', fn(prompts, responses) -> list[float]. Empty = the task's reward."""
+    """Built-in task supplying prompts and reward when no prompts_file / reward_fn is given, and the demo policy when
+    no policy is: 'reverse' (reverse a word, partial credit) or 'arith' (multi-digit addition and subtraction, the
+    answer as '#### N', exact match)."""
+    reward_fn: list[str] = field(default_factory=list)
+    """Python reward functions, each 'module:function' or 'path/file.py:function' (a TOML list, or comma-separated on
+    the command line); empty = the task's reward. Each is called fn(prompts, responses, <column>=...) with the raw
+    prompt texts, the responses and the extra prompt columns its signature names, and returns one number per response
+    or {"rewards": [...], "<metric>": [...]} (ppo_core.rewards). Several add up, weighted by reward_weights."""
+    reward_weights: list[float] = field(default_factory=list)
+    """Weight of each reward function, in reward_fn's order (a TOML list, or comma-separated); empty = 1.0 each. The
+    score is sum_k w_k * r_k; a function of weight 0 is only logged."""
     reward_model: str = ""
     """Reward-model checkpoint (*ForSequenceClassification, e.g. Skywork-Reward-V2) scoring prompt + response at its last token. Empty = reward_fn or the task's reward."""
     chat_template: bool = False
@@ -41,7 +57,9 @@ class PPOConfig:
     enable_thinking: bool = True
     """Reasoning switch passed to every chat-template rendering (Qwen3's enable_thinking); fixed once, so rollout, reference, critic and reward model see one rendering."""
     prompts_file: str = ""
-    """Training prompts, one per line (or JSONL with a "prompt" field). Empty = the task's prompt stream."""
+    """Training prompt rows: .jsonl / .json (objects with a "prompt" string or a chat "messages" list), .parquet, or
+    text with one prompt per line; every other column reaches the reward functions (ppo_core.prompts). Empty = the
+    task's prompt stream."""
     eval_prompts_file: str = ""
     """Held-out prompts for evaluation, same format. Empty = the task's held-out set, or the last eval_size prompts of prompts_file (at most half)."""
 
@@ -78,8 +96,8 @@ class PPOConfig:
     the batch), 'reinforce_pp_baseline' (group-centred, then batch-whitened). Critic-free runs build, train and save
     no critic. The group estimators use each response's summed reward (score minus its KL penalty when kl_in_reward)."""
     policy_loss_kind: str = "ppo"
-    """'ppo': the token-level clipped surrogate. 'gspo': GSPO's sequence-level ratio (Zheng et al. 2025), the length-
-    normalised sequence likelihood ratio clipped per sequence (use clip_low/clip_high around 3e-4/4e-4)."""
+    """'ppo' (the token-level clipped surrogate) or 'gspo' (GSPO's sequence-level ratio, Zheng et al. 2025: the
+    length-normalised sequence likelihood ratio clipped per sequence; use clip_low/clip_high around 3e-4/4e-4)."""
     ppo_epochs: int = 4
     """Passes over each rollout batch."""
     minibatch_size: int = 32
@@ -142,7 +160,7 @@ class PPOConfig:
     kl_horizon: float = 10000.0
     """Adaptive KL horizon, in samples."""
     kl_in_reward: bool = True
-    """True: the kl_reward_kind KL estimate folded into the per-token reward. False: kl_loss_kind KL added to the policy loss."""
+    """True: the kl_reward_kind KL estimate folded into the per-token reward; false: kl_loss_kind KL added to the policy loss."""
     kl_reward_kind: str = "k1"
     """KL estimator in the reward when kl_in_reward: k1 (log pi - log ref, TRL's default), k2 or k3 (clamped as verl)."""
     kl_loss_kind: str = "k3"
@@ -167,6 +185,13 @@ class PPOConfig:
     """Held-out prompts evaluated before and after training (and every eval_every iterations)."""
     eval_every: int = 0
     """Evaluate every this many iterations as well (0 = only before and after)."""
+    report_to: str = ""
+    """Experiment trackers besides metrics.jsonl, comma-separated: 'tensorboard' (RUN_DIR/tensorboard) and/or 'wandb'
+    (project ppo-core; WANDB_MODE=offline keeps the run in RUN_DIR/wandb); each needs its extra, pip install -e
+    '.[tensorboard]' / '.[wandb]'. Empty = metrics.jsonl only."""
+    log_samples_every: int = 0
+    """Every this many iterations, write the rollout's completions (prompt, response, reward, each reward component,
+    the row's extra columns; rank 0's rows) to RUN_DIR/samples.jsonl and the trackers' sample table (0 = off)."""
     save_every: int = 20
     """Write a full training checkpoint (policy, critic, optimizers, RNGs) every this many iterations (0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -174,7 +199,7 @@ class PPOConfig:
     max_skipped_updates: int = 3
     """Stop the run after this many consecutive updates with a non-finite loss or gradient (each is skipped)."""
     out: str = ""
-    """Run directory. Empty = runs/<task>-<date>-<time>."""
+    """Run directory. Empty = runs/<policy directory>-<task, or custom with your own prompts_file/reward_fn/reward_model>-<date>-<time>."""
     seed: int = 0
     """Seed of every random stream: prompts, sampling, minibatch order, head initialisation."""
 
@@ -200,10 +225,11 @@ class PPOConfig:
     threads: int = 1
     """torch CPU threads (0 = torch's default, one per core). One is fastest for the tiny demo model."""
     progress: bool = True
-    """Show a progress bar on stderr."""
+    """Show a progress bar on stderr (only when stderr is a terminal)."""
 
 
 FIELDS = {f.name: f for f in fields(PPOConfig)}
+PATH_FIELDS = ("policy", "reference", "critic", "reward_model", "prompts_file", "eval_prompts_file", "out")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the other responses to the prompt
@@ -226,8 +252,31 @@ def _unknown_key(key, where):
 
 
 def _coerce(key, value, from_text):
-    """Convert `value` to the field's type; text from the command line is parsed, TOML values checked."""
+    """Convert `value` to the field's type; text from the command line is parsed, TOML values checked.
+
+    A list field takes a TOML list, or text whose comma-separated items are parsed one by one (the command line's
+    form, accepted from TOML too, so `reward_fn = "my_rewards.py:score"` stays valid); empty text is the empty list.
+    """
     kind = FIELDS[key].type
+    if typing.get_origin(kind) is list:
+        item_kind = typing.get_args(kind)[0]
+        if isinstance(value, str):
+            items = [item.strip() for item in value.split(",")] if value.strip() else []
+            if any(item == "" for item in items):
+                raise ConfigError(f"config key '{key}' has an empty item in {value!r} (items are separated by commas)")
+            try:
+                return [_coerce_one(key, item, item_kind, True) for item in items]
+            except ConfigError:
+                raise ConfigError(f"config key '{key}' expects a comma-separated list of {item_kind.__name__}, "
+                                  f"got {value!r}") from None
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' expects a list of {item_kind.__name__}, got {type(value).__name__} {value!r}")
+        return [_coerce_one(key, item, item_kind, False) for item in value]
+    return _coerce_one(key, value, kind, from_text)
+
+
+def _coerce_one(key, value, kind, from_text):
+    """One value of type `kind` (int, float, bool or str) from command-line text or a TOML value."""
     kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind)
     if from_text:
         try:
@@ -269,9 +318,20 @@ def build_config(toml_values: dict | None = None, overrides: dict | None = None,
         if key not in FIELDS:
             raise _unknown_key(key, "")
         values[key] = _coerce(key, value, from_text=True)
+    for key in PATH_FIELDS:  # `--policy=~/models/x`: the shell expands ~ only at the start of a word
+        if key in values:
+            values[key] = os.path.expanduser(values[key])
+    if "reward_fn" in values:  # the file part of 'path/file.py:function'
+        values["reward_fn"] = [_expand_spec(spec) for spec in values["reward_fn"]]
     cfg = PPOConfig(**values)
     validate(cfg)
     return cfg
+
+
+def _expand_spec(spec):
+    """'~/r.py:score' -> '/home/me/r.py:score'; a dotted module name is left as it is."""
+    module, colon, function = spec.rpartition(":")
+    return os.path.expanduser(module) + colon + function if colon else spec
 
 
 def validate(cfg: PPOConfig):
@@ -287,7 +347,7 @@ def validate(cfg: PPOConfig):
         need(getattr(cfg, key) > 0, key, "must be > 0")
     for key in ("weight_decay", "adam_eps", "warmup_steps", "max_grad_norm", "clip_low", "clip_high", "value_clip",
                 "kl_coef", "kl_target", "reward_clip", "missing_eos_penalty", "entropy_coef", "target_kl", "critic_warmup",
-                "overlong_buffer", "overlong_penalty", "eval_every", "save_every", "top_k", "threads"):
+                "overlong_buffer", "overlong_penalty", "eval_every", "log_samples_every", "save_every", "top_k", "threads"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -299,6 +359,8 @@ def validate(cfg: PPOConfig):
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1")
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
     need(cfg.kl_loss_kind in ("k1", "k2", "k3"), "kl_loss_kind", "must be one of k1, k2, k3")
+    need(all(n.strip() in ("tensorboard", "wandb") for n in cfg.report_to.split(",") if n.strip()), "report_to",
+         "must be a comma-separated list of tensorboard, wandb")
     need(cfg.kl_reward_kind in ("k1", "k2", "k3"), "kl_reward_kind", "must be one of k1, k2, k3")
     need(cfg.adv_estimator in ADV_ESTIMATORS, "adv_estimator", f"must be one of {', '.join(ADV_ESTIMATORS)}")
     need(cfg.policy_loss_kind in ("ppo", "gspo"), "policy_loss_kind", "must be ppo or gspo")
@@ -318,7 +380,7 @@ def validate(cfg: PPOConfig):
     need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")
     need(cfg.lora_rank > 0 or cfg.lora_alpha == 0, "lora_alpha", "needs lora_rank > 0")
     need(not cfg.cpu_offload or cfg.parallel == "fsdp", "cpu_offload", "needs parallel='fsdp'")
-    need(cfg.task in ("reverse",), "task", "must be 'reverse' (the built-in task)")
+    need(cfg.task in ("reverse", "arith"), "task", "must be 'reverse' or 'arith' (the built-in tasks)")
     rows = rollout_rows(cfg)
     need(cfg.minibatch_size <= rows, "minibatch_size", f"must be <= rollout_batch_size * n_samples_per_prompt ({rows})")
     need(rows % cfg.minibatch_size == 0, "rollout_batch_size", f"times n_samples_per_prompt ({rows}) must be a multiple of minibatch_size ({cfg.minibatch_size})")
@@ -326,7 +388,13 @@ def validate(cfg: PPOConfig):
     need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
     need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")
     need(not (cfg.reward_fn and cfg.reward_model), "reward_model", "conflicts with reward_fn: give one reward source")
-    need(cfg.reward_fn == "" or ":" in cfg.reward_fn, "reward_fn", "must be 'module:function'")
+    for spec in cfg.reward_fn:
+        need(":" in spec, "reward_fn", f"must name each function as 'module:function' (or 'file.py:function'), not {spec!r}")
+    need(len(set(cfg.reward_fn)) == len(cfg.reward_fn), "reward_fn", "names a function twice (add the weights up instead)")
+    need(not cfg.reward_weights or cfg.reward_fn, "reward_weights", "needs reward_fn (one weight per reward function)")
+    need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_fn), "reward_weights",
+         f"must hold one weight per reward_fn ({len(cfg.reward_fn)})")
+    need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", "must be finite")
 
 
 def parse_cli(argv: list[str]) -> tuple[dict, dict]:
@@ -364,3 +432,76 @@ def parse_cli(argv: list[str]) -> tuple[dict, dict]:
 
 def to_dict(cfg: PPOConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- --help
+
+SECTION_COMMENT = re.compile(r"^\s*# -{3,}\s*(.+?)\s*$")  # `    # ------------ models and data`
+
+
+def field_docs() -> dict:
+    """{field name: (section, docstring)} for every field of PPOConfig, read from this file's source: the docstring
+    under each field, and the `# ------ <section>` comment above it (comments are not in the AST, so lines are scanned)."""
+    with open(__file__) as f:
+        source = f.read()
+    lines = source.splitlines()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "PPOConfig")
+    docs = {}
+    for node, nxt in zip(cls.body, cls.body[1:] + [None]):
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        section = ""
+        for line in lines[cls.lineno : node.lineno - 1]:  # the class body above this field
+            match = SECTION_COMMENT.match(line)
+            if match:
+                section = match.group(1)
+        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)
+        docs[node.target.id] = (section, nxt.value.value if is_doc else "")
+    return docs
+
+
+def first_sentence(text: str) -> str:
+    """The text up to its first full stop outside parentheses ('e.g.' and 'et al.' sit in parentheses here)."""
+    text = " ".join(text.split())
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "." and depth == 0 and (i + 1 == len(text) or text[i + 1] == " "):
+            return text[: i + 1]
+    return text
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) is list:
+        return f"comma-separated list of {typing.get_args(kind)[0].__name__}"
+    return kind.__name__
+
+
+def _show_default(value) -> str:
+    """A default as one would type it after --key=."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or '""'
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def help_text() -> str:
+    """Every option for `ppo-train --help`, grouped by the sections of PPOConfig in their order:
+
+        models and data:
+          --policy (str, default "")
+              Policy checkpoint directory (HF layout).
+    """
+    defaults = PPOConfig()
+    out, section = [], None
+    for name, (field_section, doc) in field_docs().items():
+        if field_section != section:
+            section = field_section
+            out.append(f"\n{section}:" if out else f"{section}:")
+        out.append(f"  --{name} ({_type_name(FIELDS[name].type)}, default {_show_default(getattr(defaults, name))})")
+        out.extend(textwrap.wrap(first_sentence(doc), width=110, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                 break_on_hyphens=False))
+    return "\n".join(out)

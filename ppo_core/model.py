@@ -1023,7 +1023,18 @@ def _atomic_write(path, write):
     os.replace(tmp, path)
 
 
+def checkpoint_dir(path) -> str:
+    """`path` with `~` expanded, checked to be a directory (every loader starts here, so a mistyped path says
+    so rather than naming the first file it lacks). Raises CheckpointError."""
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"not a directory: {path!r}" if os.path.exists(path) else f"no such directory: {path!r}")
+    return path
+
+
 def read_config(path) -> dict:
+    """config.json of a checkpoint directory as a dict."""
+    path = checkpoint_dir(path)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"no config.json in checkpoint directory {path!r}")
@@ -1113,6 +1124,7 @@ def _build(cls, path, dtype, device, args=None):
 
 def load_model(path, dtype=None, device=None) -> CausalLM:
     """Load a `*ForCausalLM` checkpoint directory (config.json + safetensors) as a CausalLM."""
+    path = checkpoint_dir(path)
     arch = _architecture(read_config(path))
     if arch not in ARCHITECTURES_LM:
         raise CheckpointError(f"{path!r} is a {arch}, not a causal LM; load it with load_reward_model")
@@ -1129,6 +1141,7 @@ def _score_args(cfg) -> ModelArgs:
 def load_reward_model(path, dtype=None, device=None) -> ScoreModel:
     """Load a `*ForSequenceClassification` checkpoint with one label (e.g. Skywork-Reward-V2's
     `LlamaForSequenceClassification` / `Qwen3ForSequenceClassification`) as a ScoreModel; `model.score(input_ids, attention_mask)` -> [B] is the reward (see ScoreModel.score)."""
+    path = checkpoint_dir(path)
     cfg = read_config(path)
     arch = _architecture(cfg)
     if arch not in ARCHITECTURES_SCORE:
@@ -1140,6 +1153,7 @@ def load_score_model(path, dtype=None, device=None, *, init_head="zeros") -> Sco
     """A ScoreModel from a directory: a reward model / critic checkpoint (with `score.weight`), or a
     causal-LM checkpoint whose backbone initialises a fresh critic (head set per `init_head`:
     "zeros" or "normal", std 1/sqrt(H+1))."""
+    path = checkpoint_dir(path)
     cfg = read_config(path)
     arch = _architecture(cfg)
     if arch in ARCHITECTURES_SCORE:
@@ -1170,6 +1184,7 @@ def count_parameters(config_or_path) -> int:
     else:
         cfg = config_or_path
         if isinstance(cfg, (str, os.PathLike)):
+            cfg = os.path.expanduser(os.fspath(cfg))
             if os.path.isdir(cfg):
                 cfg = read_config(cfg)
             else:

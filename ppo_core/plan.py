@@ -6,6 +6,7 @@
     ppo-plan --policy configs/models/Qwen3-1.7B --no-critic           # GRPO, RLOO, REINFORCE++: no critic
 
 A role's checkpoint is a directory holding config.json or the config.json itself; nothing else is read.
+Options take dashes or underscores alike (`--gpu-memory-gb` or `--gpu_memory_gb`, as ppo-train's keys).
 Parameters are counted by building the model on the meta device (no memory, no weights), so they are
 this library's models exactly: `CausalLM` for the policy and reference, `ScoreModel` (backbone + a
 1-output head, no LM head) for the critic and reward model. GB = 1e9 bytes.
@@ -126,7 +127,8 @@ class PlanError(ValueError):
 # ---------------------------------------------------------------------------- the models, counted on meta
 
 def load_config(path) -> dict:
-    """config.json of a checkpoint directory, or a config.json path."""
+    """config.json of a checkpoint directory, or a config.json path (`~` expanded)."""
+    path = os.path.expanduser(path)
     if os.path.isdir(path):
         return read_config(path)
     if not os.path.isfile(path):
@@ -445,8 +447,23 @@ def build_parser():
     return parser
 
 
+def dashed_options(argv: list[str]) -> list[str]:
+    """argv with `_` turned into `-` in every option name (`--gpu_memory_gb=80` -> `--gpu-memory-gb=80`), so the
+    planner takes ppo-train's underscore spelling too. Values are left alone, and everything after a bare `--`."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(dashed_options(list(argv)))
     values = dict(policy=args.policy, critic=args.critic, reference=args.reference, gpus=args.gpus,
                   prompt_len=args.prompt_len, response_len=args.response_len, rollout_batch=args.rollout_batch,
                   micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing,

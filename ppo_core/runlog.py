@@ -5,6 +5,7 @@
     DIR/summary.json       evaluation before/after, final KL
     DIR/checkpoints/step-N the policy (and tokenizer) in the Hugging Face layout
 
+Without --out, DIR is runs/<policy directory's name>-<task>-<date>-<time> (see default_run_path).
 Only rank 0 writes; every helper here is a no-op on the other ranks, so the loop never says
 `if rank == 0`.
 """
@@ -70,14 +71,55 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
-IGNORED_FOR_IDENTITY = ("progress", "out")  # fields that do not change what a run computes
+IGNORED_FOR_IDENTITY = ("progress", "out", "report_to", "log_samples_every")  # fields that do not change what a run computes
+
+
+def default_run_path(cfg, policy_path, started: datetime.datetime) -> str:
+    """The run directory of a run without --out: runs/<policy>-<task>-<date>-<time>.
+
+    <policy> is the name of the policy directory; <task> is cfg.task, or "custom" when prompts_file, reward_fn
+    or reward_model replace the task's prompts or reward. The task is left out when the policy's name already
+    holds it as a dash-separated word, so the default job goes to runs/reverse-demo-20260102-150405 and a
+    custom run on ~/models/tiny-qwen3 to runs/tiny-qwen3-custom-20260102-150405."""
+    policy_name = os.path.basename(os.path.normpath(os.path.expanduser(policy_path)))
+    task = "custom" if (cfg.prompts_file or cfg.reward_fn or cfg.reward_model) else cfg.task
+    words = [policy_name] if task in policy_name.split("-") else [policy_name, task]
+    return os.path.join("runs", "-".join(words + [f"{started:%Y%m%d-%H%M%S}"]))
+
+
+def _start_time() -> datetime.datetime:
+    """Now, to the second, as rank 0 sees it: every process must name the same default run directory."""
+    seconds = torch.tensor([int(datetime.datetime.now().timestamp())], dtype=torch.int64)  # CPU tensor: gloo
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(seconds, src=0)
+    return datetime.datetime.fromtimestamp(int(seconds.item()))
+
+
+def _has_checkpoint(path) -> bool:
+    """Whether DIR/checkpoints holds anything but half-written saves (`.tmp-*`, removed on open)."""
+    root = os.path.join(path, "checkpoints")
+    return os.path.isdir(root) and any(not d.startswith(".tmp-") for d in os.listdir(root))
+
+
+def _continue_hint(path, saved: dict) -> str:
+    """How to train a finished run further: a new run that starts from its last checkpoint (policy and
+    critic) and keeps its KL reference."""
+    ckpt = checkpoint.latest_checkpoint(path)
+    if ckpt is None:
+        return ""
+    critic = os.path.join(ckpt, "critic")
+    reference = saved.get("reference") or saved.get("policy")
+    return (f" (to train it further, start the new run from its last checkpoint: --policy {ckpt}"
+            + (f" --critic {critic}" if os.path.isdir(critic) else "")
+            + (f" --reference {reference}" if reference else "") + ")")
 
 
 class RunDir:
     """The run directory: created for a new run, re-opened (after checks) for a resumed one."""
 
-    def __init__(self, path):
+    def __init__(self, path, replaced=None):
         self.path = path
+        self.replaced = replaced  # None, or a line for the log: open() replaced a run that never saved a checkpoint
 
     @staticmethod
     def saved_config(path) -> dict:
@@ -93,26 +135,49 @@ class RunDir:
 
     @classmethod
     def open(cls, cfg, policy_path, resume_from=None):
-        path = resume_from or cfg.out or os.path.join("runs", f"{cfg.task}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        """The run directory of this run. Its path: resume_from, else cfg.out, else default_run_path().
+
+        A new directory gets config.json. One that already holds a config.json is:
+          - the same config (IGNORED_FOR_IDENTITY aside), not finished: re-opened; the loop continues from its
+            latest checkpoint, if it has one (what `--resume` and a retried container do);
+          - finished (summary.json): refused, with the arguments that train further from its last checkpoint;
+          - a different config with a checkpoint: refused;
+          - a different config without a checkpoint (a run that failed before its first save): replaced. Its
+            config.json is rewritten, its metrics.jsonl removed, and `replaced` holds a line saying so.
+        Raises RunDirError. With several processes every one calls this; only rank 0 writes."""
+        if resume_from or cfg.out:
+            path = resume_from or cfg.out
+        else:
+            path = default_run_path(cfg, policy_path, _start_time())
         resolved = to_dict(cfg)
         resolved["policy"] = policy_path
         resolved["out"] = path
         cfg_file = os.path.join(path, "config.json")
+        replaced = None
         if os.path.isfile(cfg_file):
             # a key the saved config lacks (a field added by a later version) holds its default there
             saved = {**to_dict(PPOConfig()), **cls.saved_config(path)}
+            # a list field an older version saved as one comma-separated string (reward_fn = "m:f" or "")
+            saved = {k: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) and isinstance(resolved.get(k), list)
+                     else v for k, v in saved.items()}
             differ = sorted(k for k in set(saved) | set(resolved)
                             if k not in IGNORED_FOR_IDENTITY and saved.get(k) != resolved.get(k))
-            if differ:
+            finished = os.path.isfile(os.path.join(path, "summary.json"))
+            if differ and not finished and not _has_checkpoint(path):
+                replaced = (f"output directory {path} held a run that stopped before its first checkpoint "
+                            f"(config differed in: {', '.join(differ[:6])}); replaced its config.json and metrics.jsonl")
+            elif differ:
                 raise RunDirError(f"output directory {path} already holds a different run (config differs in: "
-                                  f"{', '.join(differ[:6])}); choose another --out or --resume it")
-            if os.path.isfile(os.path.join(path, "summary.json")):
-                raise RunDirError(f"output directory {path} already holds a finished run")
+                                  f"{', '.join(differ[:6])})" + (", finished; choose another --out" + _continue_hint(path, saved)
+                                                                 if finished else "; choose another --out or --resume it"))
+            elif finished:
+                raise RunDirError(f"output directory {path} already holds a finished run; choose another --out"
+                                  + _continue_hint(path, saved))
         elif resume_from:
             raise RunDirError(f"--resume: {path} holds no run (no config.json)")
         elif os.path.exists(os.path.join(path, "metrics.jsonl")):
             raise RunDirError(f"output directory {path} holds metrics.jsonl but no config.json: not a run this tool can continue")
-        elif is_rank0():
+        if is_rank0() and (replaced or not os.path.isfile(cfg_file)):
             os.makedirs(path, exist_ok=True)
             write_json(cfg_file, {
                 "config": resolved,
@@ -121,9 +186,11 @@ class RunDir:
                 "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
             })
+            if replaced and os.path.exists(os.path.join(path, "metrics.jsonl")):
+                os.remove(os.path.join(path, "metrics.jsonl"))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        run_dir = cls(path)
+        run_dir = cls(path, replaced)
         if is_rank0():
             checkpoint.clean_partial_saves(path)
         return run_dir
@@ -190,11 +257,12 @@ class StopSignals:
 
 
 class Logger:
-    """metrics.jsonl, a progress bar, and the final table; quiet on ranks other than 0."""
+    """metrics.jsonl, a progress bar (when stderr is a terminal), and the final table; quiet on ranks other than 0."""
 
     def __init__(self, run_dir: RunDir, progress=True):
         self.rank0 = is_rank0()
-        self.progress = progress and self.rank0
+        # a bar only on a terminal: redirected to a file, tqdm's carriage-return frames are noise
+        self.progress = progress and self.rank0 and sys.stderr.isatty()
         self.bar = None
         self.file = open(os.path.join(run_dir.path, "metrics.jsonl"), "a") if self.rank0 else None
 
@@ -244,34 +312,3 @@ class Logger:
         print(f"\n{summary['eval/prompts']} held-out prompts, {summary['iterations']} iterations, "
               f"{summary['time/total_s']:.0f}s. Policy: {summary['checkpoint']}")
 
-
-class ListPromptStream:
-    """Training prompts from a list: a seeded shuffle per pass, position kept for resume."""
-
-    def __init__(self, prompts, seed):
-        self.prompts, self.seed, self.drawn = list(prompts), seed, 0
-        self._order_epoch, self._order = None, None
-
-    def _epoch_order(self, epoch):
-        import random
-
-        if epoch != self._order_epoch:  # one shuffle per pass over the list, not per prompt drawn
-            self._order = list(range(len(self.prompts)))
-            random.Random(f"{self.seed}-{epoch}").shuffle(self._order)
-            self._order_epoch = epoch
-        return self._order
-
-    def next_batch(self, n):
-        out = []
-        while len(out) < n:
-            epoch, i = divmod(self.drawn, len(self.prompts))
-            out.append(self.prompts[self._epoch_order(epoch)[i]])
-            self.drawn += 1
-        return out
-
-    def state_dict(self):
-        return {"seed": self.seed, "drawn": self.drawn}
-
-    def load_state_dict(self, state):
-        self.seed, self.drawn = state["seed"], state["drawn"]
-        self._order_epoch = None

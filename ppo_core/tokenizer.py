@@ -22,7 +22,7 @@ import os
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .chat_template import render_chat_template
-from .model import CheckpointError
+from .model import CheckpointError, checkpoint_dir
 
 # the named special tokens transformers passes to a chat template (`special_tokens_map`)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -186,7 +186,9 @@ def read_generation_config(path):
 
 def load_tokenizer(path) -> Tokenizer:
     """The Tokenizer of a checkpoint directory: tokenizer.json (required), and when present tokenizer_config.json,
-    special_tokens_map.json, chat_template.jinja, additional_chat_templates/*.jinja and generation_config.json."""
+    special_tokens_map.json, chat_template.jinja, additional_chat_templates/*.jinja and generation_config.json.
+    `~` in `path` is expanded; a path that is not a directory is a CheckpointError ("no such directory: ...")."""
+    path = checkpoint_dir(path)
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         raise FileNotFoundError(f"no tokenizer.json in {path!r}")

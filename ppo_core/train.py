@@ -38,17 +38,18 @@ import ppo_kernels
 
 from . import algo, checkpoint, lora
 from . import distributed as dist
-from .config import ConfigError, PPOConfig, build_config, load_toml, parse_cli, rollout_rows, uses_critic
+from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
 from .generate import generate
 from .model import CheckpointError, load_model, load_score_model
-from .rewards import RewardError, load_prompts, make_reward_source
+from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out
+from .rewards import RewardError, make_reward_source
 from .tasks import PromptStream, eval_prompts
-from .runlog import ListPromptStream
 from .tokenizer import load_tokenizer
-from . import runlog
+from . import runlog, tracking
 
 IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
+DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT, "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo")}
 
 
 # ---------------------------------------------------------------------------- log-probs and values
@@ -119,6 +120,7 @@ class Rollout:
     rewards: torch.Tensor = None  # [B, R]
     advantages: torch.Tensor = None  # [B, R]
     returns: torch.Tensor = None  # [B, R]
+    sampled: "Sampled" = None  # what was sampled and scored: the rows, texts and reward components (for samples.jsonl)
 
 
 def render_prompt(tokenizer, prompt, cfg):
@@ -131,9 +133,14 @@ def render_prompt(tokenizer, prompt, cfg):
 
 
 def prompt_token_ids(tokenizer, prompt, cfg):
-    """The prompt's token ids as the policy sees them: its chat-template rendering as is (the template writes any
-    BOS itself), or the plain text with what the tokenizer's post-processor adds (a BOS for Llama-family
-    checkpoints), as transformers' tokenizer(text) does."""
+    """The prompt's token ids as the policy sees them. prompt: a string or a row (ppo_core.prompts): a chat row's
+    "messages" and, with cfg.chat_template, a plain prompt as a user turn, are rendered with the chat template (which
+    writes any BOS itself); a plain prompt otherwise gets what the tokenizer's post-processor adds (a BOS for
+    Llama-family checkpoints), as transformers' tokenizer(text) does."""
+    if isinstance(prompt, dict) and "messages" in prompt:
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False,
+                                                              enable_thinking=cfg.enable_thinking))
+    prompt = prompt["prompt"] if isinstance(prompt, dict) else prompt
     if cfg is not None and cfg.chat_template:
         return tokenizer.encode(render_prompt(tokenizer, prompt, cfg))
     ids, plain = tokenizer.encode_prompt(prompt), tokenizer.encode(prompt)
@@ -184,7 +191,8 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
 class Sampled:
     """Responses sampled and scored, before any log-prob: B rows, prompts left-padded to P, responses right-padded."""
 
-    prompts: list
+    rows: list  # the prompt rows (ppo_core.prompts): "prompt" or "messages", and extra columns
+    prompts: list  # the raw prompt texts the reward function saw
     responses: list
     prompt_ids: torch.Tensor  # [B, P] int64
     prompt_mask: torch.Tensor  # [B, P] bool
@@ -192,17 +200,23 @@ class Sampled:
     response_mask: torch.Tensor  # [B, R] float32
     ended: torch.Tensor  # [B] bool, the response ends with an EOS
     scores: torch.Tensor  # [B] float32
+    reward_metrics: dict  # name -> [B] float32: each reward function's score and its own metrics
 
 
 @torch.no_grad()
-def sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded):
-    """One response per row of `prompts`, and its score from the reward source (under the policy passes' autocast)."""
+def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generator, autocast, pad_to, rows, encoded):
+    """One response per row of `prompt_rows`, and its score from the reward source (under the policy passes'
+    autocast). The reward sees the raw prompt text (not the chat rendering) and the rows' extra columns."""
     policy.eval()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended = sample_responses(
-        policy, tokenizer, prompts, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast)
+        policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast)
+    texts = [prompt_text(r) for r in prompt_rows]
     with autocast():  # a reward model scores under the same autocast as the policy passes
-        scores = reward_source(prompts, responses)  # [B] float32 (on the CPU for a reward function), validated
-    return Sampled(prompts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(tokens.device))
+        # [B] float32 (on the CPU for a reward function), validated; and each component's per-sample values
+        scores, reward_metrics = reward_source(texts, responses, columns_of(prompt_rows))
+    device = tokens.device
+    return Sampled(prompt_rows, texts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(device),
+                   {k: v.float().to(device) for k, v in reward_metrics.items()})
 
 
 @torch.no_grad()
@@ -223,12 +237,24 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
         old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
     return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
                    torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(old_values) * response_mask,
-                   torch.cat(entropy), sampled.scores, group.to(input_ids.device))
+                   torch.cat(entropy), sampled.scores, group.to(input_ids.device), sampled=sampled)
+
+
+def sample_rows(sampled: Sampled) -> list:
+    """What samples.jsonl and the trackers' table show of each row: prompt, response, reward (the score), each reward
+    component, and the row's extra columns."""
+    components = {k: v.tolist() for k, v in sampled.reward_metrics.items()}
+    scores = sampled.scores.tolist()
+    return [{"prompt": text, "response": response, "reward": scores[i], **{k: v[i] for k, v in components.items()},
+             **{k: v for k, v in row.items() if k not in ("prompt", "messages")}}
+            for i, (row, text, response) in enumerate(zip(sampled.rows, sampled.prompts, sampled.responses))]
 
 
 def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
                     pad_to, rows, encoded, group):
-    """Sample and score one response per row, then run the training code path over them. -> (Rollout, ended [B])."""
+    """Sample and score one response per row (a prompt row or a plain prompt string), then run the training code path
+    over them. -> (Rollout, ended [B])."""
+    prompts = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded)
     return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended
 
@@ -247,7 +273,8 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
         # Sampling noise is a function of (seed, iteration, batch) alone, so processes that finish decoding
         # at different steps, and a resumed run, all draw the same noise for every row.
         generator.manual_seed(cfg.seed * 1_000_003 + it + batch * 1_000_000_007)
-        global_prompts = [p for p in stream.next_batch(cfg.rollout_batch_size) for _ in range(n)]  # [rows_total]
+        prompt_batch = [p if isinstance(p, dict) else {"prompt": p} for p in stream.next_batch(cfg.rollout_batch_size)]
+        global_prompts = [row for row in prompt_batch for _ in range(n)]  # [rows_total] a prompt's n rows in a row
         prompts = global_prompts[local]
         encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
         pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
@@ -255,6 +282,7 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
                                    (rank * b, rows_total), encoded)
         if not cfg.filter_groups:
             group = torch.arange(rows_total)[local] // n  # [b] the prompt's index in the global batch
+            stats.update(reward_means(sampled.reward_metrics))
             return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
         everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
         varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
@@ -270,7 +298,13 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     rows = rows[:rows_total][local]
     sampled = select_sampled([e for e, _ in kept], rows, tokenizer)
     group = torch.arange(rows_total)[local] // n
+    stats.update(reward_means(sampled.reward_metrics))
     return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+
+
+def reward_means(reward_metrics) -> dict:
+    """Each reward component's mean over the global batch, for metrics.jsonl."""
+    return {name: dist.all_gather_rows(values).mean().item() for name, values in sorted(reward_metrics.items())}
 
 
 def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
@@ -281,7 +315,8 @@ def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
     parts = [dist.all_gather_rows(t) for t in (sampled.prompt_ids, sampled.prompt_mask, tokens, response_mask,
                                                sampled.ended, sampled.scores)]
     responses = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(parts[2].cpu(), parts[3].cpu())]
-    return Sampled(global_prompts, responses, *parts)
+    metrics = {k: dist.all_gather_rows(v) for k, v in sampled.reward_metrics.items()}
+    return Sampled(global_prompts, [prompt_text(r) for r in global_prompts], responses, *parts, metrics)
 
 
 def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
@@ -290,11 +325,12 @@ def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
     def left_pad(t, value):  # [B, p] -> [B, P]
         return torch.nn.functional.pad(t, (P - t.shape[1], 0), value=value)
     picked = [(batches[i], j) for i, j in rows]
-    return Sampled([s.prompts[j] for s, j in picked], [s.responses[j] for s, j in picked],
+    return Sampled([s.rows[j] for s, j in picked], [s.prompts[j] for s, j in picked], [s.responses[j] for s, j in picked],
                    torch.stack([left_pad(s.prompt_ids, tokenizer.pad_token_id)[j] for s, j in picked]),
                    torch.stack([left_pad(s.prompt_mask, False)[j] for s, j in picked]),
                    torch.stack([s.tokens[j] for s, j in picked]), torch.stack([s.response_mask[j] for s, j in picked]),
-                   torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]))
+                   torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]),
+                   {k: torch.stack([s.reward_metrics[k][j] for s, j in picked]) for k in batches[0].reward_metrics})
 
 
 def micro_batches(n, size, order=None):
@@ -640,7 +676,7 @@ class Optimizers:
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
-    """Mean reward over held-out prompts, sampling with the run's temperature (or greedily), under the
+    """Mean reward over held-out prompt rows, sampling with the run's temperature (or greedily), under the
     rollouts' autocast.
 
     Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
@@ -649,10 +685,10 @@ def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False,
     generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     scores = []
     for rows in micro_batches(len(prompts), 256):
-        batch = [prompts[i] for i in rows.tolist()]
+        batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.prompts)
         *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
         with autocast():
-            scores.append(reward_source(batch, texts))
+            scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])
     return float(torch.cat(scores).mean())
 
 
@@ -665,6 +701,24 @@ def resolve_device_dtype(cfg):
     param_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     use_autocast = device == "cuda" and cfg.dtype == "auto"  # fp32 master weights, bf16 compute
     return device, param_dtype, use_autocast
+
+
+def prompt_rows(cfg: PPOConfig):
+    """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat "messages" and any
+    extra columns (ppo_core.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
+    eval_prompts_file is given), or the built-in task's seeded prompt stream and held-out set."""
+    if not cfg.prompts_file:
+        held_out = [{"prompt": p} for p in eval_prompts(cfg.eval_size, cfg.seed, cfg.task)]
+        return [], held_out, PromptStream(cfg.seed, [r["prompt"] for r in held_out], cfg.task)
+    try:
+        train_rows = load_rows(cfg.prompts_file)
+        if cfg.eval_prompts_file:
+            held_out = load_rows(cfg.eval_prompts_file)[: cfg.eval_size]
+        else:  # hold out the file's last eval_size prompts (at most half of it)
+            train_rows, held_out = split_held_out(train_rows, cfg.eval_size)
+    except PromptsError as e:
+        raise ConfigError(f"config key 'prompts_file': {e}") from None
+    return train_rows, held_out, RowStream(train_rows, cfg.seed)
 
 
 def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
@@ -720,7 +774,7 @@ def run(cfg: PPOConfig, resume_from=None):
     already holds a checkpoint of the same config is resumed too (what a retried container needs)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    policy_path = cfg.policy or DEMO_CHECKPOINT
+    policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
     device_kind, param_dtype, use_autocast = resolve_device_dtype(cfg)
     rank, world, device = dist.init(device_kind)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
@@ -730,32 +784,38 @@ def run(cfg: PPOConfig, resume_from=None):
 
     # Everything that can be wrong with the input is checked before the run directory is touched.
     tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, param_dtype)
+    if cfg.chat_template:
+        try:
+            tokenizer.get_chat_template()
+        except ValueError as e:  # none at all, or several and no default
+            raise ConfigError(f"config key 'chat_template': the policy {policy_path} cannot render a chat: {e}; "
+                              f"add chat_template.jinja, or drop --chat_template") from None
     reward_source = make_reward_source(cfg, device, param_dtype)
     policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     sharded = dist.is_sharded(policy)
-    train_prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else []
-    if cfg.eval_prompts_file:
-        held_out = load_prompts(cfg.eval_prompts_file)[: cfg.eval_size]
-    elif train_prompts:  # hold out the file's last eval_size prompts (at most half of it)
-        n_eval = min(cfg.eval_size, len(train_prompts) // 2)
-        if n_eval < 1:
-            raise ConfigError(f"config key 'prompts_file': {cfg.prompts_file} needs at least 2 prompts to hold one out, "
-                              f"or give eval_prompts_file")
-        train_prompts, held_out = train_prompts[:-n_eval], train_prompts[-n_eval:]
-    else:
-        held_out = eval_prompts(cfg.eval_size, cfg.seed)
-    stream = ListPromptStream(train_prompts, cfg.seed) if train_prompts else PromptStream(cfg.seed, held_out)
+    train_rows, held_out, stream = prompt_rows(cfg)
+    reward_source.check_columns(sorted(set(columns_of(train_rows + held_out))))  # a column the reward needs is there
+    clash = [c for c in columns_of(train_rows) if c in ("step", "response", "reward") or c.startswith("reward/")]
+    if cfg.log_samples_every and clash:
+        raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
+                          f"samples.jsonl's own '{clash[0]}'; rename that column")
     context = policy.args.max_position_embeddings
-    for p in held_out + train_prompts:
-        n = len(prompt_token_ids(tokenizer, p, cfg))
+    for row in held_out + train_rows:
+        n = len(prompt_token_ids(tokenizer, row, cfg))
         if n + cfg.max_new_tokens > context:
-            raise ConfigError(f"prompt {p[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds "
-                              f"the model's context of {context} tokens")
+            raise ConfigError(f"prompt {prompt_text(row)[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} "
+                              f"it exceeds the model's context of {context} tokens")
     run_dir = runlog.RunDir.open(cfg, policy_path, resume_from)
     ckpt = run_dir.latest_checkpoint()
     # Metrics of iterations after the checkpoint belong to work a resume redoes.
-    run_dir.truncate_metrics(0 if ckpt is None else checkpoint.checkpoint_step(ckpt))
+    done = 0 if ckpt is None else checkpoint.checkpoint_step(ckpt)
+    run_dir.truncate_metrics(done)
+    tracking.truncate_samples(run_dir.path, done)
     log = runlog.Logger(run_dir, progress=cfg.progress)
+    if run_dir.replaced:  # a run that stopped before its first checkpoint, started again with another config
+        log.info(run_dir.replaced)
+    tracker = tracking.Tracker(cfg.report_to, run_dir.path, {**to_dict(cfg), "policy": policy_path, "out": run_dir.path},
+                               os.path.basename(os.path.normpath(run_dir.path)), resume_step=done)
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -769,6 +829,9 @@ def run(cfg: PPOConfig, resume_from=None):
     t0 = time.perf_counter()
 
     start_iter, state = 0, {}
+
+    def elapsed():  # seconds of this run so far: the segments before a resume, and this one
+        return state.get("elapsed_s", 0.0) + time.perf_counter() - t0
     if ckpt is not None:
         state = checkpoint.load_training_state(ckpt, policy=policy, critic=critic, policy_opt=opts.policy_opt,
                                                critic_opt=opts.critic_opt, generators=generators, sharded=sharded)
@@ -792,7 +855,7 @@ def run(cfg: PPOConfig, resume_from=None):
                                        state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
                                               "kl_controller": kl_ctl.state_dict(), "prompt_stream": stream.state_dict(),
                                               "eval_before": state["eval_before"], "eval_before_greedy": state["eval_before_greedy"],
-                                              "last_kl": state["last_kl"]},
+                                              "last_kl": state["last_kl"], "elapsed_s": elapsed()},
                                        keep=cfg.keep_checkpoints)
 
     with runlog.StopSignals() as stop:
@@ -844,11 +907,16 @@ def run(cfg: PPOConfig, resume_from=None):
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
                 metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
             log.metrics(metrics)
+            tracker.log(metrics, it + 1)
+            if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
+                samples = sample_rows(rollout.sampled)
+                tracking.write_samples(run_dir.path, samples, it + 1)
+                tracker.log_samples(samples, it + 1)
             last = it + 1 == cfg.iterations
             if last or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
                 save(it + 1)
             if stop.requested and not last:
-                log.close()
+                log.close(), tracker.close()
                 raise StopRequested(f"received {stop.requested}; saved checkpoint at iteration {it + 1} of {cfg.iterations} "
                                     f"in {run_dir.path}; continue with: ppo-train --resume {run_dir.path}")
 
@@ -864,10 +932,10 @@ def run(cfg: PPOConfig, resume_from=None):
         "iterations": cfg.iterations,
         "skipped_updates": opts.skipped,
         "checkpoint": os.path.join(run_dir.path, "checkpoints", f"step-{cfg.iterations}"),
-        "time/total_s": time.perf_counter() - t0,
+        "time/total_s": elapsed(),  # the whole run's, across resumes
     }
     run_dir.write_summary(summary)
-    log.close()
+    log.close(), tracker.close()
     log.table(summary, cfg)
     return summary
 
@@ -876,14 +944,14 @@ USAGE = """usage: ppo-train [--config FILE.toml] [--KEY=VALUE ...]
        ppo-train --resume RUN_DIR
 
 Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the 'reverse' task, CPU).
-Every field of ppo_core.config.PPOConfig is a --KEY; see configs/default.toml for all of them.
+Every field of ppo_core.config.PPOConfig is a --KEY (listed below; configs/default.toml has them all).
 --resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json."""
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE + "\n\n" + help_text())
         return 0
     try:
         own, overrides = parse_cli(argv)
@@ -897,7 +965,8 @@ def main(argv=None):
             toml_values = load_toml(own["config"]) if "config" in own else {}
             cfg = build_config(toml_values, overrides, own.get("config", ""))
         run(cfg, resume_from=resume)
-    except (ConfigError, CheckpointError, RewardError, runlog.RunDirError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, RewardError, PromptsError, tracking.TrackingError, runlog.RunDirError,
+            FileNotFoundError) as e:
         print(f"ppo-train: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteUpdates as e:

@@ -1,6 +1,6 @@
 """Draw a run's training curves to a PNG.
 
-    python scripts/plot_run.py runs/reverse-20261202-120000            # writes DIR/curves.png
+    python scripts/plot_run.py runs/reverse-demo-20261202-120000            # writes DIR/curves.png
     python scripts/plot_run.py DIR --out curves.png
 
 A panel whose metric the run did not log (the critic's explained variance in a critic-free run) is left empty.

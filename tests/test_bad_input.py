@@ -4,8 +4,11 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import ppo_core.train as train
+from ppo_core.config import build_config, to_dict
+from ppo_core.runlog import RunDir, RunDirError
 from ppo_core.train import DEMO_CHECKPOINT
 
 SMALL = ["--iterations=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=16",
@@ -73,7 +76,7 @@ def test_reward_function_with_a_wrong_answer(tmp_path, capsys, body, message):
     err = fail([f"--reward_fn={module}:fn", f"--out={tmp_path / 'r'}", *SMALL], capsys)
     assert message in err
     # the run directory keeps what it had: the config, and no metrics line for the failed iteration
-    assert json.loads((tmp_path / "r" / "config.json").read_text())["config"]["reward_fn"] == f"{module}:fn"
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["config"]["reward_fn"] == [f"{module}:fn"]
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == ""
 
 
@@ -109,3 +112,76 @@ def test_secrets_in_the_environment_are_not_written(tmp_path, monkeypatch, capsy
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+# ---------------------------------------------------------------------------- checkpoint paths (newcomer review #11)
+
+def test_policy_directory_that_does_not_exist(tmp_path, capsys):
+    err = fail([f"--policy={tmp_path / 'nope'}", f"--out={tmp_path / 'r'}", *SMALL], capsys)
+    assert err == f"ppo-train: error: no such directory: {str(tmp_path / 'nope')!r}"
+    assert not (tmp_path / "r").exists()
+
+
+def test_loaders_expand_the_home_directory_and_name_a_missing_one(demo_copy, tmp_path, monkeypatch):
+    """Direct API callers get what the CLI gets: `~` expanded, and "no such directory" for a path that is not there
+    (rather than the first file the loader looks for)."""
+    from ppo_core.model import CheckpointError, load_model, load_reward_model, load_score_model, read_config
+    from ppo_core.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # demo_copy is tmp_path/ckpt, so "~/ckpt" names it
+    assert load_tokenizer("~/ckpt").encode("abc=") == load_tokenizer(str(demo_copy)).encode("abc=")
+    expected = load_model(str(demo_copy)).state_dict()
+    got = load_model("~/ckpt").state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert load_score_model("~/ckpt").args.hidden_size == expected["model.embed_tokens.weight"].shape[1]
+    for loader in (load_tokenizer, load_model, load_score_model, load_reward_model, read_config):
+        with pytest.raises(CheckpointError) as e:
+            loader("~/nope")
+        assert str(e.value) == f"no such directory: {str(tmp_path / 'nope')!r}", loader.__name__
+    with pytest.raises(CheckpointError, match="^not a directory: "):
+        load_model(str(demo_copy / "config.json"))
+
+
+# ---------------------------------------------------------------------------- reusing an --out (newcomer review #3)
+
+def test_a_run_that_failed_before_its_first_checkpoint_is_replaced_by_a_corrected_one(tmp_path, capsys):
+    """The review's path: a broken reward function stops the run in its first rollout; the fixed one, with the
+    same --out, trains there instead of being refused."""
+    run_dir = tmp_path / "r"
+    broken, fixed = tmp_path / "broken.py", tmp_path / "fixed.py"
+    broken.write_text("def fn(prompts, responses):\n    if len(prompts) == 8:\n        return [0.0] * 8\n"
+                      "    raise ValueError('a bug')\n")
+    fixed.write_text("def fn(prompts, responses):\n    return [float(len(r)) for r in responses]\n")
+    err = fail([f"--reward_fn={broken}:fn", f"--out={run_dir}", *SMALL], capsys)
+    assert "a bug" in err
+    assert (run_dir / "config.json").exists() and not (run_dir / "checkpoints").exists()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "left": "by the failed run"}\n')
+
+    assert train.main([f"--reward_fn={fixed}:fn", f"--out={run_dir}", *SMALL]) == 0
+    saved = RunDir.saved_config(str(run_dir))
+    assert saved["reward_fn"] == to_dict(build_config(overrides={"reward_fn": f"{fixed}:fn"}))["reward_fn"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and "left" not in rows[0]
+    assert (run_dir / "summary.json").exists() and (run_dir / "checkpoints" / "step-1").is_dir()
+
+
+def test_replacing_needs_a_run_without_any_checkpoint(tmp_path):
+    """RunDir.open's rule, on the directory alone: a different config replaces a run with no checkpoint (a
+    half-written `.tmp-*` save does not count, and is removed); one complete checkpoint and it is refused."""
+    out = str(tmp_path / "r")
+    first, second = (build_config(overrides={"out": out, "lr": lr}) for lr in ("1e-3", "2e-3"))
+    assert RunDir.open(first, DEMO_CHECKPOINT).replaced is None
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1}\n')
+    os.makedirs(tmp_path / "r" / "checkpoints" / ".tmp-step-1")
+    run_dir = RunDir.open(second, DEMO_CHECKPOINT)
+    assert run_dir.replaced == (f"output directory {out} held a run that stopped before its first checkpoint "
+                                f"(config differed in: lr); replaced its config.json and metrics.jsonl")
+    assert RunDir.saved_config(out)["lr"] == 2e-3
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert os.listdir(tmp_path / "r" / "checkpoints") == []
+    assert RunDir.open(second, DEMO_CHECKPOINT).replaced is None  # now the same run: re-opened as it is
+    os.makedirs(tmp_path / "r" / "checkpoints" / "step-1")
+    with pytest.raises(RunDirError, match=r"already holds a different run \(config differs in: lr\); "
+                                          r"choose another --out or --resume it$"):
+        RunDir.open(first, DEMO_CHECKPOINT)
+    assert RunDir.saved_config(out)["lr"] == 2e-3

@@ -58,6 +58,16 @@ def test_default_toml_lists_every_field_with_its_default():
     (["--kl_reward_kind=k4"], "config key 'kl_reward_kind' must be one of k1, k2, k3, got 'k4'"),
     (["--policy_loss_kind=cispo"], "config key 'policy_loss_kind' must be ppo or gspo, got 'cispo'"),
     (["--overlong_buffer=20"], "config key 'overlong_buffer' must be <= max_new_tokens (12), got 20"),
+    (["--reward_fn=a.py:f,b.py:g", "--reward_weights=1"], "config key 'reward_weights' must hold one weight per "
+                                                          "reward_fn (2), got [1.0]"),
+    (["--reward_fn=a.py:f", "--reward_weights=nan"], "config key 'reward_weights' must be finite, got [nan]"),
+    (["--reward_fn=a.py:f,b.py:g", "--reward_weights=1,x"], "config key 'reward_weights' expects a comma-separated "
+                                                            "list of float, got '1,x'"),
+    (["--reward_weights=2"], "config key 'reward_weights' needs reward_fn (one weight per reward function), got [2.0]"),
+    (["--reward_fn=a.py:f,,b.py:g"], "config key 'reward_fn' has an empty item in 'a.py:f,,b.py:g'"),
+    (["--reward_fn=a.py:f,a.py:f"], "config key 'reward_fn' names a function twice (add the weights up instead)"),
+    (["--reward_fn=a.py:f,b.py"], "config key 'reward_fn' must name each function as 'module:function' (or "
+                                  "'file.py:function'), not 'b.py', got ['a.py:f', 'b.py']"),
     (["positional"], "unexpected argument 'positional'"),
     (["--lr"], "option --lr needs a value"),
 ])
@@ -87,6 +97,56 @@ def test_bad_toml_files(tmp_path, capsys):
 
     assert main(["--config", str(tmp_path / "absent.toml")]) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def test_list_fields_from_toml_lists_and_comma_separated_text(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('reward_fn = ["a.py:f", "pkg.mod:g"]\nreward_weights = [1, 0.5]\n')
+    cfg = build_config(load_toml(path), toml_path=str(path))
+    assert cfg.reward_fn == ["a.py:f", "pkg.mod:g"] and cfg.reward_weights == [1.0, 0.5]
+    assert all(isinstance(w, float) for w in cfg.reward_weights)  # a TOML int is a float weight
+    # the command line: comma-separated, spaces around items dropped; it overrides the file
+    cfg = build_config(load_toml(path), {"reward_fn": "a.py:f, b.py:h", "reward_weights": "2,-1e-1"}, str(path))
+    assert cfg.reward_fn == ["a.py:f", "b.py:h"] and cfg.reward_weights == [2.0, -0.1]
+    # a TOML string reads as the command line does (configs written before reward_fn became a list)
+    assert build_config({"reward_fn": "a.py:f"}).reward_fn == ["a.py:f"]
+    assert build_config({}, {"reward_fn": ""}).reward_fn == [] and PPOConfig().reward_fn == []
+    with pytest.raises(ConfigError, match="^config key 'reward_weights' expects a list of float, got float 1.0$"):
+        build_config({"reward_fn": ["a.py:f"], "reward_weights": 1.0})
+    with pytest.raises(ConfigError, match="^config key 'reward_fn' expects str, got int 3$"):
+        build_config({"reward_fn": ["a.py:f", 3]})
+
+
+def test_tilde_in_paths_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = str(tmp_path)
+    paths = ("policy", "reference", "critic", "prompts_file", "eval_prompts_file", "out")
+    cfg = build_config({"critic": "~/c"}, {**{key: f"~/{key}" for key in paths if key != "critic"},
+                                            "reward_fn": "~/r.py:score,pkg.mod:f,~/x/s.py:g"})
+    assert all(getattr(cfg, key) == f"{home}/{key}" for key in paths if key != "critic") and cfg.critic == f"{home}/c"
+    assert cfg.reward_fn == [f"{home}/r.py:score", "pkg.mod:f", f"{home}/x/s.py:g"]
+    assert build_config({}, {"reward_model": "~/rm"}).reward_model == f"{home}/rm"
+    assert build_config().policy == ""
+
+
+def test_help_lists_every_field_with_type_default_and_first_sentence():
+    from ppo_core.config import first_sentence, help_text
+
+    text = help_text()
+    for name in FIELDS:
+        assert text.count(f"  --{name} (") == 1
+    assert text.startswith("models and data:\n  --policy (str, default \"\")\n      Policy checkpoint directory (HF layout).\n")
+    assert "\n\nPPO update:\n  --adv_estimator (str, default \"gae\")\n" in text
+    assert "  --lr (float, default 0.0005)\n      Peak AdamW learning rate of the policy.\n" in text
+    assert "  --whiten_rewards (bool, default false)\n" in text and "  --eval_size (int, default 256)\n" in text
+    assert "  --reward_weights (comma-separated list of float, default \"\")\n" in text
+    # the sections in the class's order
+    sections = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ")]
+    assert sections == ["models and data", "rollout", "PPO update", "reward and KL", "evaluation, logging, saving", "execution"]
+    assert max(len(line) for line in text.splitlines()) <= 110
+    # a full stop in parentheses (e.g. 'e.g.', 'et al.') does not end the sentence
+    assert first_sentence("Adaptive (Ziegler et al.): steer\n    it. Then more.") == "Adaptive (Ziegler et al.): steer it."
+    assert first_sentence("No full stop") == "No full stop"
 
 
 def test_build_config_raises_config_error_naming_the_key():

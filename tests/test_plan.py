@@ -492,3 +492,42 @@ if __name__ == "__main__":  # the measuring process of test_activation_estimate_
             break
         del policy_model, critic_model
     print(json.dumps(results))
+
+
+# ---------------------------------------------------------------------------- option spelling (newcomer review #17)
+
+@pytest.mark.parametrize("dashed", [
+    ["--policy", train.DEMO_CHECKPOINT, "--critic", train.DEMO_CHECKPOINT, "--reference", train.DEMO_CHECKPOINT,
+     "--reward-model", train.DEMO_CHECKPOINT, "--gpus", "2", "--gpu-memory-gb", "24", "--prompt-len", "16",
+     "--response-len", "8", "--rollout-batch", "4", "--micro-batch", "2", "--lora-rank", "4", "--sharding", "fsdp",
+     "--offload", "--activation-checkpointing"],
+    ["--policy=" + train.DEMO_CHECKPOINT, "--no-critic", "--gpu-memory-gb=0.5", "--rollout-batch=6"],
+])
+def test_every_option_takes_underscores_as_well_as_dashes(capsys, dashed):
+    """ppo-train spells its keys with underscores; the planner takes either spelling of each of its options."""
+    def with_underscores(arg):  # "--gpu-memory-gb=0.5" -> "--gpu_memory_gb=0.5"; values as they are
+        name, eq, value = arg.partition("=")
+        return "--" + name[2:].replace("-", "_") + eq + value if arg.startswith("--") else arg
+
+    underscored = [with_underscores(a) for a in dashed]
+    assert "--gpu_memory_gb" in underscored or "--gpu_memory_gb=0.5" in underscored
+    by_dashes, by_underscores = run_json(capsys, *dashed), run_json(capsys, *underscored)
+    assert by_underscores == by_dashes
+    assert by_dashes != run_json(capsys, "--policy", train.DEMO_CHECKPOINT)  # the options did take effect
+    assert by_dashes["gpu_memory_gb"] == (24 if "--gpu-memory-gb" in dashed else 0.5)
+
+
+def test_option_values_keep_their_underscores_and_paths_their_tilde(capsys, tmp_path, monkeypatch):
+    """Only option names are respelled: a path holding underscores reaches the planner unchanged; `~` is expanded."""
+    model_dir = tmp_path / "my_tiny_model"
+    model_dir.mkdir()
+    with open(os.path.join(train.DEMO_CHECKPOINT, "config.json")) as f:
+        (model_dir / "config.json").write_text(f.read())
+    expected = run_json(capsys, "--policy", train.DEMO_CHECKPOINT)
+    for argv in (["--policy", str(model_dir)], [f"--policy={model_dir}"]):
+        got = run_json(capsys, *argv)
+        assert got["roles"]["policy"]["config"] == str(model_dir)
+        assert {k: v for k, v in got.items() if k != "roles"} == {k: v for k, v in expected.items() if k != "roles"}
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert run_json(capsys, "--policy", "~/my_tiny_model")["roles"]["policy"]["params"] == \
+        expected["roles"]["policy"]["params"]

@@ -171,5 +171,29 @@ def test_run_started_before_a_config_field_existed_is_still_the_same_run(tmp_pat
     del saved["config"]["lora_rank"]
     cfg_file.write_text(json.dumps(saved))
     RunDir.open(cfg, train.DEMO_CHECKPOINT)  # the same run
+    os.makedirs(tmp_path / "run" / "checkpoints" / "step-1")  # without a checkpoint a different run would replace it
     with pytest.raises(RunDirError, match="config differs in: lora_rank"):
         RunDir.open(build_config(overrides={"out": str(tmp_path / "run"), "lora_rank": "4"}), train.DEMO_CHECKPOINT)
+
+
+def test_a_finished_run_says_how_to_train_it_further_and_that_way_starts_where_it_ended(tmp_path, capsys):
+    """--resume on a finished run is refused with the arguments of a new run from its last checkpoint (newcomer
+    review #20); that run starts from the finished one's policy, critic and KL reference: its 'before' evaluation
+    (same held-out prompts, same sampling seed) is the finished run's 'after' one, sampled and greedy."""
+    tiny = ["--iterations=1", "--eval_size=8", "--rollout_batch_size=8", "--minibatch_size=8", "--micro_batch_size=8",
+            "--max_new_tokens=6", "--progress=false"]
+    first = tmp_path / "first"
+    assert train.main(tiny + [f"--out={first}"]) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", str(first)]) == 2
+    err = capsys.readouterr().err
+    ckpt = first / "checkpoints" / "step-1"
+    assert err == (f"ppo-train: error: output directory {first} already holds a finished run; choose another --out "
+                   f"(to train it further, start the new run from its last checkpoint: --policy {ckpt} "
+                   f"--critic {ckpt / 'critic'} --reference {train.DEMO_CHECKPOINT})\n")
+    hint = err.split("last checkpoint: ")[1].rstrip(")\n").split()
+    assert train.main(tiny + hint + [f"--out={tmp_path / 'further'}"]) == 0
+    ended = json.loads((first / "summary.json").read_text())
+    started = json.loads((tmp_path / "further" / "summary.json").read_text())
+    assert started["eval/reward_before"] == ended["eval/reward_after"]
+    assert started["eval/greedy_reward_before"] == ended["eval/greedy_reward_after"]

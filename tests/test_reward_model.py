@@ -41,7 +41,8 @@ def test_reward_model_scores_match_transformers(reward_model_dir):
     source = RewardModelReward(str(path), cfg, "cpu", torch.float32, batch_size=3)
     prompts = ["abc=", "kitten=", "xy=", "hello=", "q="]
     responses = ["cba", "nettik", "yxq", "", "q"]
-    got = source(prompts, responses)
+    got, metrics = source(prompts, responses)
+    assert metrics == {}  # a reward model has no components
     want = []
     for p, r in zip(prompts, responses):  # one at a time: no padding at all on the reference side
         ids = torch.tensor([tok.encode(p + r)])

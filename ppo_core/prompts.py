@@ -1,0 +1,249 @@
+"""Where prompts come from: prompt files read into rows, and the seeded stream that hands rows to training.
+
+A prompt ROW is a dict with exactly one of
+  - "prompt":   str, the prompt text as the policy sees it (or, with `chat_template`, as a one-turn user chat);
+  - "messages": list of {"role": "system" | "user" | "assistant", "content": str} turns, the last one a user
+                turn; it is rendered with the policy's chat template, generation prompt added.
+Every other key is an EXTRA COLUMN (e.g. "answer"); `columns_of` turns the extra columns of a batch into one
+list per column, which reaches the reward function. The reward function receives the raw prompt text
+(`prompt_text`: the "prompt", or the content of the chat's last user turn), never the chat-rendered text.
+
+File formats (`load_rows`), chosen by the file's extension:
+  .parquet   one row per table row (needs pyarrow: `pip install -e '.[parquet]'`), the format verl and the
+             Hugging Face hub export;
+  .jsonl     one JSON object per line;
+  .json      a JSON array of objects (or of strings, each a "prompt"), or one JSON object per line;
+  otherwise  plain text: one prompt per non-empty line, kept as written (only the newline is dropped).
+A "prompt" or "messages" that is null counts as absent, so a table may hold both columns with one null per row;
+a "prompt" that is a list of turns (verl's Parquet layout) is read as "messages".
+Anything else wrong with a row is a `PromptsError`: one line naming the file, the line (JSON lines) or row
+(JSON array, Parquet), counted from 1, and what is wrong.
+"""
+import json
+import os
+import random
+
+ROLES = ("system", "user", "assistant")
+
+
+class PromptsError(ValueError):
+    """A prompts file that cannot be read into rows; the message is one line meant for the user."""
+
+
+def load_rows(path) -> list[dict]:
+    """Rows of a prompts file (the formats are in the module docstring), in file order.
+
+    path: str or os.PathLike. Returns a list of N >= 1 row dicts, each with a non-empty "prompt" str or a
+    checked "messages" list, plus its extra columns' values as read (JSON types; Parquet: `to_pylist()`).
+    Raises PromptsError on a missing file, an empty one, or a bad row.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise PromptsError(f"{path}: is a directory, not a prompts file")
+    if not os.path.isfile(path):
+        raise PromptsError(f"{path}: no such file")
+    extension = os.path.splitext(path)[1].lower()
+    if extension == ".parquet":
+        rows = [_checked(row, f"{path}: row {n}") for n, row in enumerate(_parquet_rows(path), 1)]
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise PromptsError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        if extension == ".json" and text.lstrip().startswith("["):
+            rows = _json_array_rows(path, text)
+        elif extension in (".json", ".jsonl"):
+            rows = _json_lines_rows(path, text)
+        else:
+            # a line is a prompt as written, blank lines skipped
+            rows = [{"prompt": line} for line in text.split("\n") if line.strip()]
+    if not rows:
+        raise PromptsError(f"{path}: holds no prompts")
+    return rows
+
+
+def _parquet_rows(path) -> list[dict]:
+    """A Parquet file's rows as Python dicts (pyarrow imported here: it is an optional dependency)."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise PromptsError(f"reading {path} needs pyarrow: pip install -e '.[parquet]'") from None
+    try:
+        return pyarrow.parquet.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PromptsError(f"{path}: cannot read as Parquet: {first_line}") from None
+
+
+def _json_array_rows(path, text) -> list[dict]:
+    """Rows of a .json file holding one JSON array: of objects, or of strings (each a "prompt")."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptsError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    rows = []
+    for n, item in enumerate(items, 1):
+        if isinstance(item, str):
+            item = {"prompt": item}
+        elif not isinstance(item, dict):
+            raise PromptsError(f"{path}: row {n}: expected a JSON object or a string, got {_json_type(item)}")
+        rows.append(_checked(item, f"{path}: row {n}"))
+    return rows
+
+
+def _json_lines_rows(path, text) -> list[dict]:
+    """Rows of a JSON-lines file: one object per non-blank line; errors name the line, counted from 1."""
+    rows = []
+    # split at "\n" only (the reader already turned \r\n and \r into \n): str.splitlines would also split
+    # at characters JSON strings may hold raw, such as U+2028
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            if not rows and _is_one_json_object(text):  # a pretty-printed object, not one object per line
+                raise PromptsError(f"{path}: holds one JSON object; expected one object per line "
+                                   f"or a JSON array of objects") from None
+            raise PromptsError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(item, dict):
+            raise PromptsError(f"{path}:{n}: expected a JSON object with a \"prompt\" or \"messages\" field, "
+                               f"got {_json_type(item)}")
+        rows.append(_checked(item, f"{path}:{n}"))
+    return rows
+
+
+def _is_one_json_object(text) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _checked(row: dict, where: str) -> dict:
+    """`row` after checking its "prompt" / "messages" (a null one is dropped as absent); `where` prefixes errors."""
+    row = {key: value for key, value in row.items() if not (key in ("prompt", "messages") and value is None)}
+    chat_under_prompt = isinstance(row.get("prompt"), list) and all(isinstance(t, dict) for t in row["prompt"])
+    if chat_under_prompt and row["prompt"] and "messages" not in row:  # verl's layout: the chat under "prompt"
+        row["messages"] = row.pop("prompt")
+    if "prompt" in row and "messages" in row:
+        raise PromptsError(f"{where}: has both \"prompt\" and \"messages\"; give one")
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str):
+            raise PromptsError(f"{where}: \"prompt\" must be a string, got {_json_type(row['prompt'])}")
+        if not row["prompt"].strip():
+            raise PromptsError(f"{where}: \"prompt\" is empty")
+        return row
+    if "messages" not in row:
+        keys = ", ".join(map(str, row)) or "none"
+        raise PromptsError(f"{where}: needs a \"prompt\" string or a \"messages\" list (its keys: {keys})")
+    messages = row["messages"]
+    if not isinstance(messages, list):
+        raise PromptsError(f"{where}: \"messages\" must be a list of {{\"role\", \"content\"}} turns, "
+                           f"got {_json_type(messages)}")
+    if not messages:
+        raise PromptsError(f"{where}: \"messages\" is empty")
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            raise PromptsError(f"{where}: messages[{i}] must be an object with \"role\" and \"content\", "
+                               f"got {_json_type(turn)}")
+        for key in ("role", "content"):
+            if key not in turn:
+                raise PromptsError(f"{where}: messages[{i}] has no \"{key}\"")
+            if not isinstance(turn[key], str):
+                raise PromptsError(f"{where}: messages[{i}] \"{key}\" must be a string, got {_json_type(turn[key])}")
+        if turn["role"] not in ROLES:
+            raise PromptsError(f"{where}: messages[{i}] has role {turn['role']!r}; expected system, user or assistant")
+    if messages[-1]["role"] != "user":
+        raise PromptsError(f"{where}: the last turn of \"messages\" must be a user turn, got {messages[-1]['role']}")
+    if not messages[-1]["content"].strip():
+        raise PromptsError(f"{where}: the last user turn of \"messages\" is empty")
+    return row
+
+
+def _json_type(value) -> str:
+    """The JSON name of a value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def prompt_text(row: dict) -> str:
+    """The raw prompt a reward function receives: row["prompt"], or the content of the last user turn of
+    row["messages"] (never the chat-rendered text)."""
+    if "prompt" in row:
+        return row["prompt"]
+    for turn in reversed(row.get("messages") or []):
+        if turn["role"] == "user":
+            return turn["content"]
+    raise PromptsError(f"row with keys {', '.join(map(str, row))} has neither a \"prompt\" nor a user turn")
+
+
+def columns_of(rows: list[dict]) -> dict[str, list]:
+    """The extra columns of B rows (every key but "prompt" / "messages"): {name: list of B values}, in row
+    order, names in order of first appearance; a row lacking a column another row has gives None there."""
+    names = {}  # a dict keeps first-appearance order
+    for row in rows:
+        names.update((key, None) for key in row if key not in ("prompt", "messages"))
+    return {name: [row.get(name) for row in rows] for name in names}
+
+
+def split_held_out(rows: list, eval_size: int) -> tuple[list, list]:
+    """(train_rows, held_out_rows): the last min(eval_size, N // 2) of N rows are held out for evaluation, so
+    at least half of a small file still trains. Raises PromptsError when N < 2 (nothing could be held out)."""
+    if eval_size < 1:
+        raise ValueError(f"eval_size must be >= 1, got {eval_size}")
+    n_eval = min(eval_size, len(rows) // 2)
+    if n_eval < 1:
+        raise PromptsError(f"holding prompts out for evaluation needs at least 2 prompts, got {len(rows)}; "
+                           f"add prompts or give eval_prompts_file")
+    return list(rows[:-n_eval]), list(rows[-n_eval:])
+
+
+class RowStream:
+    """Training rows from a list: passes (epochs) over the list, each in a fresh permutation seeded by
+    (seed, epoch); the position is the number of rows drawn, so a resumed run draws the same next rows.
+
+    next_batch returns the row dicts themselves, not copies.
+    """
+
+    def __init__(self, rows: list[dict], seed: int):
+        if not rows:
+            raise ValueError("RowStream needs at least one row")
+        self.rows, self.seed, self.drawn = list(rows), seed, 0
+        self._order_epoch, self._order = None, None
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:  # one shuffle per pass over the list, not per row drawn
+            self._order = list(range(len(self.rows)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(self._order)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_batch(self, n: int) -> list[dict]:
+        """The next n rows (a batch may span the end of one pass and the start of the next)."""
+        out = []
+        while len(out) < n:
+            epoch, i = divmod(self.drawn, len(self.rows))
+            out.append(self.rows[self._epoch_order(epoch)[i]])
+            self.drawn += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict):
+        self.seed, self.drawn = state["seed"], state["drawn"]
+        self._order_epoch = None
