@@ -843,6 +843,9 @@ def run(cfg: PPOConfig, resume_from=None):
     else:
         log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
                  f"run dir {run_dir.path}")
+        if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
+            where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
+            log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
         state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
         state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
         log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "

@@ -127,6 +127,8 @@ def test_answer_column_reward_raises_held_out_exact_match_on_arith(tmp_path, kin
     proc = ppo_train("--task=arith", f"--prompts_file=arith.{kind}", "--reward_fn=my_reward.py:exact_match",
                      "--iterations=20", "--eval_size=128", "--progress=false", *estimator, f"--out={run}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"prompts: 512 training rows from arith.{kind}, 128 held out (the file's last rows, at most half)"
+            in proc.stderr)
     summary = json.loads((run / "summary.json").read_text())
     # the shipped checkpoint forgets most carries: about 3 in 10 right greedily (the problems with none to forget)
     assert 0.2 < summary["eval/greedy_reward_before"] < 0.4
