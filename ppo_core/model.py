@@ -11,13 +11,16 @@ Hugging Face layout with exact parity.
 Families (the `architectures` entry of config.json) and what sets them apart, all as fields of `ModelArgs`:
 
     Llama / SmolLM2  LlamaForCausalLM     the base: pre-norm RMSNorm, SwiGLU, RoPE (also Llama-3.1 "llama3" scaling)
+    Qwen2 / 2.5      Qwen2ForCausalLM     + bias on the q, k, v projections, none on o (`qkv_bias`); optional
+                                          sliding-window layers from `max_window_layers` on (`use_sliding_window`)
     Qwen3            Qwen3ForCausalLM     + RMSNorm over each head of q and k (`qk_norm="head"`)
     SmolLM3          SmolLM3ForCausalLM   + no RoPE in every 4th layer (`use_rope[i]` from `no_rope_layers`)
     OLMo (1)         OlmoForCausalLM      LayerNorm without weight or bias (`norm="layernorm"`), `clip_qkv`
     OLMo 2           Olmo2ForCausalLM     norms after attention/MLP (`norm_after`), RMSNorm over all of q and k
                                           (`qk_norm="projection"`)
     OLMo 3           Olmo3ForCausalLM     OLMo 2 + sliding-window layers (`sliding_windows[i]` from `layer_types`)
-    reward models    *ForSequenceClassification of each (Skywork-Reward-V2: Llama, Qwen3): a scalar `score` head
+    reward models    *ForSequenceClassification of each (Skywork-Reward-V2: Llama, Qwen3; RM-R1 and the
+                                          R1-distilled judges: Qwen2): a scalar `score` head
 
 Module names mirror the Hugging Face ones (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`), so a
 checkpoint's tensors map onto parameters by name. One exception: the reward head is `score_head` here (saved and
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 # architecture -> family; a family is a set of ModelArgs fields, filled in by ModelArgs.from_hf_config
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
     "OlmoForCausalLM": "olmo",
@@ -46,6 +50,7 @@ ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo3",
     # reward models and critics: the backbone plus a one-label `score` head
     "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "SmolLM3ForSequenceClassification": "smollm3",
     "OlmoForSequenceClassification": "olmo",
@@ -59,6 +64,7 @@ ARCHITECTURES_SCORE = tuple(a for a in ARCHITECTURES if a.endswith("ForSequenceC
 # (checked against `transformers` in tests/test_model_parity.py).
 FAMILY_DEFAULTS = {
     "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
     "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
     "smollm3": dict(rope_theta=2000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "olmo": dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
@@ -89,6 +95,9 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    """Bias on the q, k, v and o projections (Llama's `attention_bias`)."""
+    qkv_bias: bool = False
+    """Bias on the q, k, v projections only, none on o (Qwen2, always: its config has no switch for it)."""
     mlp_bias: bool = False
     family: str = "llama"
     """One of FAMILY_DEFAULTS; only used to explain errors and in repr, never branched on in forward."""
@@ -143,8 +152,8 @@ class ModelArgs:
         # Which layers attend to a sliding window, and which use RoPE, as each transformers config class derives them.
         layer_types = cfg.get("layer_types")
         use_rope = [True] * L
-        if family == "qwen3":
-            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        if family in ("qwen2", "qwen3"):  # layers max_window_layers.. slide when use_sliding_window is set
+            window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
             layer_types = layer_types or ["sliding_attention" if window is not None and i >= cfg.get("max_window_layers", 28)
                                           else "full_attention" for i in range(L)]
         elif family == "smollm3":
@@ -176,7 +185,9 @@ class ModelArgs:
             rope_theta=rope_parameters[layer_types[0]]["rope_theta"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", defaults["tie_word_embeddings"]),
-            attention_bias=cfg.get("attention_bias", False),
+            # Qwen2 builds q/k/v with bias and o without, whatever the config says
+            attention_bias=bool(cfg.get("attention_bias", False)) and family != "qwen2",
+            qkv_bias=family == "qwen2",
             # Qwen3 and OLMo build their MLPs without bias whatever the config says
             mlp_bias=bool(cfg.get("mlp_bias", False)) and family in ("llama", "smollm3"),
             family=family,
@@ -557,11 +568,12 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.qk_norm, self.clip_qkv = args.qk_norm, args.clip_qkv
-        H, hs, bias = args.hidden_size, args.head_dim, args.attention_bias
-        self.q_proj = Linear(H, self.n_heads * hs, bias=bias)
-        self.k_proj = Linear(H, self.n_kv * hs, bias=bias)
-        self.v_proj = Linear(H, self.n_kv * hs, bias=bias)
-        self.o_proj = Linear(self.n_heads * hs, H, bias=bias)
+        H, hs = args.hidden_size, args.head_dim
+        qkv_bias = args.attention_bias or args.qkv_bias
+        self.q_proj = Linear(H, self.n_heads * hs, bias=qkv_bias)
+        self.k_proj = Linear(H, self.n_kv * hs, bias=qkv_bias)
+        self.v_proj = Linear(H, self.n_kv * hs, bias=qkv_bias)
+        self.o_proj = Linear(self.n_heads * hs, H, bias=args.attention_bias)
         if args.qk_norm == "head":  # Qwen3: one RMSNorm over hs, shared by all heads
             self.q_norm = RMSNorm(hs, args.rms_norm_eps)
             self.k_norm = RMSNorm(hs, args.rms_norm_eps)

@@ -338,8 +338,8 @@ def test_decode_step_traced_once_replays_every_step(name):
     assert torch.equal(torch.stack(tokens, 1), expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_bias", "qwen3", "qwen3_sliding", "smollm3", "smollm3_sliding",
-                                    "olmo", "olmo2", "olmo3", "olmo3_yarn"])
+@pytest.mark.parametrize("family", ["llama", "llama_bias", "qwen2", "qwen2_sliding", "qwen3", "qwen3_sliding", "smollm3",
+                                    "smollm3_sliding", "olmo", "olmo2", "olmo3", "olmo3_yarn"])
 def test_static_cache_greedy_matches_transformers(tmp_path, family):
     """Every family config of tests/test_model_parity.py, a left-padded batch with a prompt of 13 (longer than
     the sliding windows of 5) and 12 new tokens: both decode paths give transformers' greedy tokens."""

@@ -37,6 +37,10 @@ FAMILIES = {
                                     original_max_position_embeddings=16)),
     "llama_bias": dict(model_type="llama", attention_bias=True, mlp_bias=True, num_key_value_heads=6,
                        rope_scaling=dict(rope_type="linear", factor=2.0)),
+    # Qwen2: bias on q/k/v, none on o; untied, then tied with sliding windows in layers 3-4 (max_window_layers=2)
+    "qwen2": dict(model_type="qwen2"),
+    "qwen2_sliding": dict(model_type="qwen2", tie_word_embeddings=True, use_sliding_window=True, sliding_window=5,
+                          max_window_layers=2),
     "qwen3": dict(model_type="qwen3", head_dim=14),
     "qwen3_sliding": dict(model_type="qwen3", use_sliding_window=True, sliding_window=5, max_window_layers=2),
     "smollm3": dict(model_type="smollm3"),  # NoPE in layer 4 (no_rope_layers = [1, 1, 1, 0])
@@ -121,7 +125,7 @@ def test_logits_match_transformers(checkpoints, family):
     assert ref_plain.abs().max() > 1.0  # logits that actually vary
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3", "olmo", "olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "olmo3"])
 def test_bfloat16_logits_match_transformers(checkpoints, family):
     """In bfloat16 the order of casts matters (OLMo applies RoPE and the norm weight in float32, the others cast
     first): the logits equal transformers' (exactly, on the CPU); the other cast order is off by ~0.1."""
@@ -139,6 +143,7 @@ def test_parity_is_sensitive_to_each_family_feature(checkpoints):
     for family, breaks in [("olmo3", lambda a: setattr(a, "sliding_windows", [None] * 4)),
                            ("smollm3", lambda a: setattr(a, "use_rope", [True] * 4)),
                            ("olmo", lambda a: setattr(a, "clip_qkv", None)),
+                           ("qwen2_sliding", lambda a: setattr(a, "sliding_windows", [None] * 4)),
                            ("llama", lambda a: a.rope_parameters["full_attention"].update(rope_type="default"))]:
         hf, path = checkpoints[family]
         model = load_model(path).eval()
@@ -150,11 +155,35 @@ def test_parity_is_sensitive_to_each_family_feature(checkpoints):
             assert max_diff_real(model(ids, mask), hf_logits(hf, ids, mask), mask) > 100 * TOL, family
 
 
+def test_qwen2_has_bias_on_q_k_v_only_as_transformers_builds_it(checkpoints):
+    """Qwen2 builds q/k/v with bias and o without whatever the config says (Qwen2Config has no attention_bias):
+    the same tensor names as transformers' model, also for a config.json that carries attention_bias=true;
+    and the biases matter: zeroing them moves the logits far past TOL."""
+    hf, path = checkpoints["qwen2"]
+    model = load_model(path).eval()
+    assert set(model.state_dict()) == set(hf.state_dict())
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.o_proj.bias is None
+    cfg = {**hf_config("qwen2", attention_bias=True).to_dict(), "architectures": ["Qwen2ForCausalLM"]}
+    with torch.device("meta"):
+        ours = ppo_core.CausalLM(ModelArgs.from_hf_config(cfg))
+        ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    ids, mask = ids_and_mask()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+        assert max_diff_real(model(ids, mask), hf_logits(hf, ids, mask), mask) > 100 * TOL
+
+
 def test_sliding_window_layers_read_from_config(checkpoints):
     args = load_model(checkpoints["olmo3"][1]).args
     assert args.sliding_windows == [5, 5, 5, None]
     assert load_model(checkpoints["qwen3_sliding"][1]).args.sliding_windows == [None, None, 5, 5]
     assert load_model(checkpoints["qwen3"][1]).args.sliding_windows == [None] * 4
+    assert load_model(checkpoints["qwen2_sliding"][1]).args.sliding_windows == [None, None, 5, 5]
+    assert load_model(checkpoints["qwen2"][1]).args.sliding_windows == [None] * 4
     smol = load_model(checkpoints["smollm3"][1]).args
     assert smol.use_rope == [True, True, True, False] and smol.sliding_windows == [None] * 4
     smol = load_model(checkpoints["smollm3_sliding"][1]).args
@@ -163,7 +192,8 @@ def test_sliding_window_layers_read_from_config(checkpoints):
 
 def test_family_defaults_match_transformers_config_classes():
     """Fields a config.json may omit default as in transformers."""
-    for family, model_type in [("llama", "llama"), ("qwen3", "qwen3"), ("smollm3", "smollm3"), ("olmo2", "olmo2"),
+    for family, model_type in [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("smollm3", "smollm3"),
+                               ("olmo2", "olmo2"),
                                ("olmo3", "olmo3")]:
         cfg = AutoConfig.for_model(model_type)
         rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
@@ -189,7 +219,8 @@ def test_legacy_rope_config_format_reads_like_the_new_one():
 # ------------------------------------------------------------------------------------- cache and generate
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3", "olmo", "olmo2", "olmo3", "olmo3_yarn"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_sliding", "qwen3", "smollm3", "olmo", "olmo2", "olmo3",
+                                    "olmo3_yarn"])
 def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
     """Prefill 5 tokens (left-padded batch), then decode the rest one at a time: the logits of every step equal
     a full forward over the whole sequence, also after the sliding window has filled."""
@@ -205,7 +236,8 @@ def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
     assert max_diff_real(torch.cat(steps, 1), full, mask) <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3_sliding", "olmo", "olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_sliding", "qwen3", "smollm3_sliding", "olmo", "olmo2",
+                                    "olmo3"])
 def test_generate_greedy_matches_transformers_and_one_by_one(checkpoints, family):
     """Greedy decoding of a left-padded batch gives the tokens of each prompt decoded alone, and those of
     transformers' generate (which also derives positions from the attention mask)."""
@@ -227,7 +259,8 @@ def test_generate_greedy_matches_transformers_and_one_by_one(checkpoints, family
 # ---------------------------------------------------------------------------------------- save and load
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3", "olmo", "olmo2", "olmo3_yarn"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_sliding", "qwen3", "smollm3", "olmo", "olmo2",
+                                    "olmo3_yarn"])
 def test_save_load_round_trip_and_transformers_loads_it(checkpoints, tmp_path, family):
     """ppo_core -> save_pretrained -> ppo_core is exact; transformers loads the same files to the same logits;
     config.json is written back as it came."""
@@ -316,14 +349,14 @@ def checkpoints_reward_path(tmp_path):
 # ------------------------------------------------------------------------------------------ reward models
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_reward_model_scores_match_transformers(tmp_path, family):
     """score(ids, mask) on right-padded input equals transformers' pooled logits; on left-padded input it equals
     transformers on the unpadded rows; last_token="pad_token_id" reproduces transformers' rule exactly."""
     path = str(tmp_path / "rm")
     hf = write_hf(path, family, cls=AutoModelForSequenceClassification, num_labels=1)
     rm = load_reward_model(path).eval()
-    assert rm.args.hf_config["architectures"] == [f"{'Llama' if family == 'llama' else 'Qwen3'}ForSequenceClassification"]
+    assert rm.args.hf_config["architectures"] == [f"{family.title()}ForSequenceClassification"]
     ids, left_mask = ids_and_mask()
     lengths = left_mask.sum(-1)
     right = torch.zeros_like(ids)  # pad id 0
@@ -392,7 +425,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoints, family):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-PUBLISHED = {"Qwen3-0.6B": 0.596e9, "Qwen3-1.7B": 1.721e9, "Qwen3-4B": 4.023e9, "Qwen3-8B": 8.191e9,
+PUBLISHED = {"Qwen2.5-1.5B-Instruct": 1.54e9,
+             "Qwen3-0.6B": 0.596e9, "Qwen3-1.7B": 1.721e9, "Qwen3-4B": 4.023e9, "Qwen3-8B": 8.191e9,
              "OLMo-1B-0724-hf": 1.280e9, "SmolLM2-135M": 0.135e9, "SmolLM2-360M": 0.362e9}
 
 
@@ -401,7 +435,7 @@ def test_parameter_counts_of_real_configs():
     for name, published in PUBLISHED.items():
         n = count_parameters(os.path.join(CONFIGS, name))
         assert abs(n - published) / published < 0.005, (name, n)
-    for name in ("Qwen3-0.6B", "OLMo-1B-0724-hf"):  # exact, against transformers on the meta device
+    for name in ("Qwen2.5-1.5B-Instruct", "Qwen3-0.6B", "OLMo-1B-0724-hf"):  # exact: transformers on the meta device
         with torch.device("meta"):
             ref = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(CONFIGS, name)))
         assert count_parameters(os.path.join(CONFIGS, name)) == sum(p.numel() for p in ref.parameters()), name
