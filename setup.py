@@ -42,6 +42,7 @@ setup(
         "console_scripts": [
             "ppo-train=ppo_core.train:main",
             "ppo-plan=ppo_core.plan:main",
+            "ppo-serve-reward=ppo_core.reward_server:main",
         ],
     },
 )

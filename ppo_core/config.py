@@ -52,6 +52,14 @@ class PPOConfig:
     score is sum_k w_k * r_k; a function of weight 0 is only logged."""
     reward_model: str = ""
     """Reward-model checkpoint (*ForSequenceClassification, e.g. Skywork-Reward-V2) scoring prompt + response at its last token. Empty = reward_fn or the task's reward."""
+    reward_url: list[str] = field(default_factory=list)
+    """Reward servers to score with instead (a TOML list, or comma-separated): 'http://host:port' of a ppo-serve-reward
+    or any server of OpenRLHF's remote reward protocol; a batch is split across them (ppo_core.remote_reward). A server
+    still down after the retries makes ppo-train save a checkpoint and stop with exit status 3. Empty = in-process."""
+    reward_timeout_s: float = 60.0
+    """Seconds to wait for a reward server's answer to one request before trying again."""
+    reward_retries: int = 3
+    """Further tries of a reward request that got no answer, each after a doubling wait (1 s, 2 s, 4 s, ...)."""
     chat_template: bool = False
     """Render each prompt as a user turn with the policy's chat template (+ generation prompt); the reward model renders the same conversation with its own."""
     enable_thinking: bool = True
@@ -388,6 +396,12 @@ def validate(cfg: PPOConfig):
     need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
     need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")
     need(not (cfg.reward_fn and cfg.reward_model), "reward_model", "conflicts with reward_fn: give one reward source")
+    need(not (cfg.reward_url and (cfg.reward_fn or cfg.reward_model)), "reward_url",
+         "conflicts with reward_fn and reward_model: give one reward source (the server has its own)")
+    for url in cfg.reward_url:
+        need(url.startswith(("http://", "https://")), "reward_url", f"must hold http:// or https:// URLs, not {url!r}")
+    need(cfg.reward_timeout_s > 0, "reward_timeout_s", "must be > 0")
+    need(cfg.reward_retries >= 0, "reward_retries", "must be >= 0")
     for spec in cfg.reward_fn:
         need(":" in spec, "reward_fn", f"must name each function as 'module:function' (or 'file.py:function'), not {spec!r}")
     need(len(set(cfg.reward_fn)) == len(cfg.reward_fn), "reward_fn", "names a function twice (add the weights up instead)")

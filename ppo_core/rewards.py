@@ -320,7 +320,12 @@ class RewardModelReward:
 
 def make_reward_source(cfg, device="cpu", dtype=None):
     """The run's reward source: the reward model (cfg.reward_model), else the reward functions (cfg.reward_fn, a list)
-    weighted by cfg.reward_weights (empty = 1.0 each), else the built-in task's reward, as a WeightedReward of one."""
+    weighted by cfg.reward_weights (empty = 1.0 each), else the built-in task's reward, as a WeightedReward of one;
+    with cfg.reward_url, the reward servers at those URLs (ppo_core.remote_reward)."""
+    if cfg.reward_url:
+        from .remote_reward import RemoteReward
+
+        return RemoteReward(cfg.reward_url, cfg.reward_timeout_s, cfg.reward_retries)
     if cfg.reward_model:
         return RewardModelReward(cfg.reward_model, cfg, device, dtype)
     if isinstance(cfg.reward_fn, str):

@@ -42,6 +42,7 @@ from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, lo
 from .generate import generate
 from .model import CheckpointError, load_model, load_score_model
 from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out
+from .remote_reward import RewardUnavailable
 from .rewards import RewardError, make_reward_source
 from .tasks import PromptStream, eval_prompts
 from .tokenizer import load_tokenizer
@@ -767,6 +768,37 @@ class StopRequested(Exception):
     """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops."""
 
 
+class RewardServerDown(Exception):
+    """A reward server stayed unreachable (ppo_core.remote_reward.RewardUnavailable); the run saved what it could and
+    stops with exit status 3, to be continued with --resume once the server is back."""
+
+
+EXIT_REWARD_SERVER_DOWN = 3  # not 2 (bad input): nothing is wrong with the run, it can continue
+
+
+def resume_point(stream, generators, opts):
+    """What a rollout advances and a checkpoint saves, as of now (the end of the previous iteration): the prompt
+    stream's position, every RNG state and the optimizer step count. -> a function that puts them back, so that a
+    checkpoint saved after a rollout the reward server failed resumes by redoing that iteration exactly. (Weights,
+    optimizer moments and the KL controller change only after the rollout.)"""
+    stream_state, step_count, iteration = stream.state_dict(), opts.step_count, opts.iteration
+    generator_states = {name: g.get_state() for name, g in generators.items()}
+    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+
+    def restore():
+        stream.load_state_dict(stream_state)
+        for name, g in generators.items():
+            g.set_state(generator_states[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(python_rng), np.random.set_state(numpy_rng)
+        opts.step_count, opts.iteration = step_count, iteration
+
+    return restore
+
+
 def run(cfg: PPOConfig, resume_from=None):
     """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input.
 
@@ -846,8 +878,13 @@ def run(cfg: PPOConfig, resume_from=None):
         if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
             where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
             log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
-        state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
-        state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
+        try:
+            state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+            state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
+        except RewardUnavailable as e:
+            log.close(), tracker.close()  # no iteration done, nothing to save: the run directory starts over
+            raise RewardServerDown(f"{e} during the evaluation before training; nothing saved yet; start again "
+                                   f"with: ppo-train --resume {run_dir.path}") from None
         log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
                  f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - t0:.1f}s]")
         state["last_kl"] = 0.0
@@ -858,15 +895,45 @@ def run(cfg: PPOConfig, resume_from=None):
                                        state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
                                               "kl_controller": kl_ctl.state_dict(), "prompt_stream": stream.state_dict(),
                                               "eval_before": state["eval_before"], "eval_before_greedy": state["eval_before_greedy"],
-                                              "last_kl": state["last_kl"], "elapsed_s": elapsed()},
+                                              "last_kl": state["last_kl"], "elapsed_s": elapsed(),
+                                              **({"pending_metrics": state["pending_metrics"]} if "pending_metrics" in state else {})},
                                        keep=cfg.keep_checkpoints)
+
+    def write_samples(it, sampled):
+        if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
+            samples = sample_rows(sampled)
+            tracking.write_samples(run_dir.path, samples, it + 1)
+            tracker.log_samples(samples, it + 1)
+
+    def server_down(e, step, where=""):
+        """Save a checkpoint at `step`, and the exception that stops the run: the reward server failed `where`."""
+        save(step)
+        log.close(), tracker.close()
+        return RewardServerDown(f"{e}{where}; saved checkpoint at iteration {step} of {cfg.iterations} in {run_dir.path}; "
+                                f"continue with: ppo-train --resume {run_dir.path}")
+
+    if "pending_metrics" in state:  # the run stopped in iteration start_iter's evaluation (server down): finish it
+        metrics = state.pop("pending_metrics")
+        try:
+            metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+        except RewardUnavailable as e:
+            state["pending_metrics"] = metrics
+            raise server_down(e, start_iter, f" in the evaluation of iteration {start_iter}") from None
+        log.metrics(metrics)  # its samples were written before the stop
+        tracker.log(metrics, start_iter)
+        save(start_iter)  # the checkpoint without the pending metrics: a later resume from it must not log them twice
 
     with runlog.StopSignals() as stop:
         for it in log.iterations(cfg.iterations, start_iter):
+            back_to_iteration_start = resume_point(stream, generators, opts)
             opts.start_iteration(it)
             t_roll = time.perf_counter()
-            rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
-                                                             reward_source, cfg, sample_gen, autocast)
+            try:
+                rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
+                                                                 reward_source, cfg, sample_gen, autocast)
+            except RewardUnavailable as e:  # a resume redoes this iteration from its start
+                back_to_iteration_start()
+                raise server_down(e, it) from None
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)
             t_train = time.perf_counter()
@@ -908,13 +975,15 @@ def run(cfg: PPOConfig, resume_from=None):
             if critic is not None:
                 metrics["value/explained_var"] = algo.explained_variance(dist.all_gather_rows(rollout.old_values), returns, mask)
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
-                metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+                try:
+                    metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+                except RewardUnavailable as e:  # the update is done: save it, and the metrics a resume completes
+                    write_samples(it, rollout.sampled)
+                    state["pending_metrics"] = metrics
+                    raise server_down(e, it + 1, f" in the evaluation of iteration {it + 1}") from None
             log.metrics(metrics)
             tracker.log(metrics, it + 1)
-            if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
-                samples = sample_rows(rollout.sampled)
-                tracking.write_samples(run_dir.path, samples, it + 1)
-                tracker.log_samples(samples, it + 1)
+            write_samples(it, rollout.sampled)
             last = it + 1 == cfg.iterations
             if last or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
                 save(it + 1)
@@ -923,8 +992,13 @@ def run(cfg: PPOConfig, resume_from=None):
                 raise StopRequested(f"received {stop.requested}; saved checkpoint at iteration {it + 1} of {cfg.iterations} "
                                     f"in {run_dir.path}; continue with: ppo-train --resume {run_dir.path}")
 
-    after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
-    after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
+    try:
+        after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+        after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
+    except RewardUnavailable as e:  # the final checkpoint is saved: a resume runs no iteration, only this evaluation
+        log.close(), tracker.close()
+        raise RewardServerDown(f"{e} during the final evaluation; the final checkpoint (iteration {cfg.iterations}) is "
+                               f"in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}") from None
     summary = {
         "eval/reward_before": state["eval_before"],
         "eval/reward_after": after,
@@ -948,7 +1022,13 @@ USAGE = """usage: ppo-train [--config FILE.toml] [--KEY=VALUE ...]
 
 Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the 'reverse' task, CPU).
 Every field of ppo_core.config.PPOConfig is a --KEY (listed below; configs/default.toml has them all).
---resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json."""
+--resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json.
+Exit status: 0 done; 1 too many non-finite updates; 2 bad input (one line); 3 a reward server (--reward_url) stayed
+unreachable: a checkpoint is saved, continue with --resume once it is back; 143 stopped by SIGTERM / SIGINT."""
+
+
+# what --resume may change: the progress bar, and where the reward server now is
+RESUME_OVERRIDES = ("progress", "reward_url", "reward_timeout_s", "reward_retries")
 
 
 def main(argv=None):
@@ -960,9 +1040,9 @@ def main(argv=None):
         own, overrides = parse_cli(argv)
         resume = own.get("resume")
         if resume:
-            if "config" in own or set(overrides) - {"progress"}:
-                raise ConfigError("--resume takes the run's own config from RUN_DIR/config.json; "
-                                  "it cannot be combined with --config or other keys (only --progress)")
+            if "config" in own or set(overrides) - set(RESUME_OVERRIDES):
+                raise ConfigError("--resume takes the run's own config from RUN_DIR/config.json; it cannot be combined "
+                                  f"with --config or other keys (only --{', --'.join(RESUME_OVERRIDES)})")
             cfg = build_config(runlog.RunDir.saved_config(resume), overrides)
         else:
             toml_values = load_toml(own["config"]) if "config" in own else {}
@@ -978,6 +1058,10 @@ def main(argv=None):
     except StopRequested as e:
         print(f"ppo-train: {e}", file=sys.stderr)
         return 143
+    except RewardServerDown as e:
+        if dist.rank() == 0:  # every process stops at once; one line
+            print(f"ppo-train: {e}", file=sys.stderr)
+        return EXIT_REWARD_SERVER_DOWN
     finally:
         dist.shutdown()
     return 0

@@ -85,7 +85,7 @@ def test_default_run_path():
     assert default_run_path(demo, "~/models/reversed-tiny", started) == \
         os.path.join("runs", "reversed-tiny-reverse-20260102-150405")  # "reversed" is not the word "reverse"
     for custom in ({"reward_fn": "my_rewards.py:score"}, {"prompts_file": "prompts.txt"},
-                   {"reward_model": "ckpt/Skywork-Reward-V2"}):
+                   {"reward_model": "ckpt/Skywork-Reward-V2"}, {"reward_url": "http://127.0.0.1:8000"}):
         assert default_run_path(build_config(overrides=custom), "~/models/tiny-qwen3", started) == \
             os.path.join("runs", "tiny-qwen3-custom-20260102-150405"), custom
 

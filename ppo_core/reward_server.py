@@ -1,0 +1,327 @@
+"""ppo-serve-reward: any reward source of ppo-core served over HTTP, so a reward model can live on its own machine.
+
+    ppo-serve-reward --host 0.0.0.0 --port 8000 --reward_model ~/models/skywork-rm --dtype bfloat16
+    ppo-serve-reward --port 8000 --reward_fn my_rewards.py:score --max_batch 512
+    ppo-train --reward_url http://rm-host:8000 ...           # the trainer's side: ppo_core.remote_reward
+
+The reward source is chosen with ppo-train's own options and config file (--config FILE.toml, --task, --reward_fn,
+--reward_weights, --reward_model, --chat_template, --enable_thinking, --device, --dtype, --threads; every other key
+of the config is accepted and unused, so a run's TOML file serves as it is). The server's own options: --host
+(default 127.0.0.1), --port (default 8000; 0 = a free port), --max_batch (default 256). When it is ready it prints
+one line on stdout, `serving <source> on http://HOST:PORT` (the port it got, with --port 0). An error at start-up
+(an unknown key, a checkpoint that does not load, a port taken) is one line on stderr and exit status 2.
+
+The protocol: OpenRLHF's remote reward protocol (`--remote_rm_url`, openrlhf/utils/remote_rm_utils.py: JSON POSTed,
+{"query", "prompts", "labels"} in, {"rewards", "scores", "extra_logs"} out), JSON over HTTP and nothing else.
+
+POST, to any path (so OpenRLHF's `--remote_rm_url http://HOST:PORT/get_reward` works), a JSON object of B rows:
+    "prompts":   [B str]   required. Handed to the reward as they are: ppo-core's client sends the raw prompt text
+                           (the last user turn's content), OpenRLHF sends its rendered prompt.
+    "responses": [B str]   the responses. ppo-core's client sends them; when absent (an OpenRLHF client), each
+                           response is query[i][len(prompts[i]):], and every query[i] must start with prompts[i].
+    "query":     [B str]   prompt + response (OpenRLHF's); read only when "responses" is absent.
+    "labels":    [B]       OpenRLHF's labels: the "answer" column, unless the request also has an "answer" list
+                           (ppo-core's client sends both, labels = answer, for OpenRLHF servers).
+    any other field: a list of B JSON values, the prompt column of that name (e.g. "answer", "level"), passed to the
+                     reward functions whose signature names it (ppo_core.rewards). A field that is not such a list
+                     is a bad request.
+The answer, HTTP 200:
+    {"rewards": [B numbers], "scores": [B numbers] (the same: OpenRLHF's filtering reads "scores"),
+     "extra_logs": {name: [B numbers] or [B str]}}
+    extra_logs holds the source's per-sample metrics, the keys ppo-train logs for an in-process source
+    ("reward/<fn>", "reward/<fn>/<metric>") and text entries (a judge's "judge/rationale") as lists of strings.
+    Numbers are the float32 scores written as JSON doubles: the trainer reads back exactly the in-process values.
+Errors, each a JSON object {"error": "<one line>"}; the server keeps serving:
+    400  not JSON, not an object, a missing or malformed field, lists of different lengths, a column the reward
+         needs and the request lacks;
+    500  the reward source failed on the request: {"error": "<the RewardError line>", "reward_error": true}.
+GET /health -> 200 {"status": "ok", "source": "<what scores>", "requests": n, "batches": m, "rows": r}: requests
+answered, calls of the source, rows scored, since start.
+
+Batching: request threads queue their rows; one scoring thread (a reward model is not thread-safe, and one call
+over many rows uses the accelerator better) takes the queued requests in arrival order, as many as fit in
+max_batch rows and share the same column names, and scores them in ONE call of the source; each request gets its
+own rows back. A request larger than max_batch is scored alone. When a merged call fails, each of its requests is
+scored alone, so a bad request cannot fail the others.
+"""
+import collections
+import contextlib
+import json
+import math
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from .config import ConfigError, build_config, load_toml, parse_cli
+from .model import CheckpointError
+from .rewards import RewardError, make_reward_source
+from .train import resolve_device_dtype  # ppo-train's own choice of device, dtype and autocast
+
+USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--config FILE.toml] [--KEY=VALUE ...]
+
+Serves the reward source that ppo-train would build from the same options (--task, --reward_fn, --reward_model, ...)
+over HTTP, with OpenRLHF's remote reward protocol (see ppo_core/reward_server.py). Point ppo-train at it with
+--reward_url http://H:P."""
+SERVER_OPTIONS = {"host": "127.0.0.1", "port": "8000", "max_batch": "256"}
+
+
+class BadRequest(ValueError):
+    """A request the protocol does not accept (HTTP 400)."""
+
+
+def parse_request(body: bytes):
+    """A request body -> (prompts [B str], responses [B str], columns {name: [B values]}). Raises BadRequest."""
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not JSON: {e}") from None
+    if not isinstance(request, dict):
+        raise BadRequest(f"the request must be a JSON object with \"prompts\" and \"responses\" (or \"query\"), "
+                         f"got {type(request).__name__}")
+    prompts = _strings(request, "prompts", None)
+    B = len(prompts)
+    if "responses" in request:
+        responses = _strings(request, "responses", B)
+    elif "query" in request:  # OpenRLHF: the query is the prompt followed by the response
+        queries = _strings(request, "query", B)
+        for i, (query, prompt) in enumerate(zip(queries, prompts)):
+            if not query.startswith(prompt):
+                raise BadRequest(f"query {i} does not start with its prompt, so the response cannot be cut from it "
+                                 f"(prompt {prompt[:40]!r}, query {query[:40]!r}); send \"responses\"")
+        responses = [query[len(prompt):] for query, prompt in zip(queries, prompts)]
+    else:
+        raise BadRequest('the request has no "responses" (nor an OpenRLHF "query")')
+    columns = {}
+    for key, values in request.items():
+        if key in ("prompts", "responses", "query"):
+            continue
+        if not isinstance(values, list) or len(values) != B:
+            got = f"a list of {len(values)}" if isinstance(values, list) else type(values).__name__
+            raise BadRequest(f"field \"{key}\" must be a list of {B} values, one per prompt, got {got}")
+        if key == "labels":  # OpenRLHF's labels are the answer column; an explicit "answer" wins
+            if "answer" not in request:
+                columns["answer"] = values
+        else:
+            columns[key] = values
+    return prompts, responses, columns
+
+
+def _strings(request, key, B):
+    values = request.get(key)
+    if values is None:
+        raise BadRequest(f'the request has no "{key}"')
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise BadRequest(f'"{key}" must be a list of strings')
+    if B is not None and len(values) != B:
+        raise BadRequest(f'"{key}" holds {len(values)} strings for {B} prompts')
+    return values
+
+
+def as_lists(scores, metrics, B):
+    """A source's (scores [B] tensor, {name: [B] tensor or B str}) -> (list of B floats, {name: list of B})."""
+    if len(scores) != B:
+        raise RewardError(f"the reward source gave {len(scores)} scores for {B} responses")
+    out = {}
+    for name, values in metrics.items():
+        values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+        if len(values) != B:
+            raise RewardError(f"the reward source's metric '{name}' holds {len(values)} values for {B} responses")
+        if not all(isinstance(v, str) or math.isfinite(v) for v in values):  # JSON has no NaN
+            raise RewardError(f"the reward source's metric '{name}' holds a value that is not finite")
+        out[name] = values
+    return [float(s) for s in scores.tolist()], out
+
+
+class Job:
+    """One request's rows waiting to be scored; `done` is set when `result` or `error` is."""
+
+    def __init__(self, prompts, responses, columns):
+        self.prompts, self.responses, self.columns = prompts, responses, columns
+        self.result, self.error, self.done = None, None, threading.Event()
+
+
+class Batcher:
+    """The scoring thread: requests queued together are scored in one call of the source (see the module docstring)."""
+
+    def __init__(self, source, max_batch, autocast=contextlib.nullcontext):
+        self.source, self.max_batch, self.autocast = source, max_batch, autocast
+        self.queue, self.ready = collections.deque(), threading.Condition()
+        self.counts = {"requests": 0, "batches": 0, "rows": 0}
+        threading.Thread(target=self._serve, name="scorer", daemon=True).start()
+
+    def score(self, prompts, responses, columns):
+        """Block until the rows are scored -> (list of B floats, {name: list of B}). Raises RewardError."""
+        job = Job(prompts, responses, columns)
+        with self.ready:
+            self.queue.append(job)
+            self.ready.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _serve(self):
+        while True:
+            with self.ready:
+                while not self.queue:
+                    self.ready.wait()
+                jobs = [self.queue.popleft()]
+                rows, names = len(jobs[0].prompts), set(jobs[0].columns)
+                while self.queue and set(self.queue[0].columns) == names and \
+                        rows + len(self.queue[0].prompts) <= self.max_batch:
+                    jobs.append(self.queue.popleft())
+                    rows += len(jobs[-1].prompts)
+            self._score(jobs)
+
+    def _score(self, jobs):
+        prompts = [p for job in jobs for p in job.prompts]
+        responses = [r for job in jobs for r in job.responses]
+        columns = {name: [v for job in jobs for v in job.columns[name]] for name in jobs[0].columns}
+        try:
+            with torch.no_grad(), self.autocast():  # the trainer's autocast: the scores ppo-train would compute
+                scores, metrics = as_lists(*self.source(prompts, responses, columns or None), len(prompts))
+        except Exception as e:
+            if len(jobs) > 1:  # find whose rows failed: each request alone
+                for job in jobs:
+                    self._score([job])
+                return
+            error = e if isinstance(e, RewardError) else \
+                RewardError(f"the reward source raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+            jobs[0].error = error
+            self.counts["requests"] += 1
+            jobs[0].done.set()
+            return
+        self.counts["batches"] += 1
+        self.counts["rows"] += len(prompts)
+        lo = 0
+        for job in jobs:
+            hi = lo + len(job.prompts)
+            job.result = scores[lo:hi], {name: values[lo:hi] for name, values in metrics.items()}
+            lo = hi
+            self.counts["requests"] += 1
+            job.done.set()
+
+
+def describe(cfg) -> str:
+    """What scores, in words, for the ready line and /health."""
+    if getattr(cfg, "judge", ""):  # a generative judge (ppo_core.judges), once the config has the key
+        return f"judge {cfg.judge}"
+    if cfg.reward_model:
+        return f"reward model {cfg.reward_model}"
+    if cfg.reward_fn:
+        return f"reward function{'s' if len(cfg.reward_fn) > 1 else ''} {', '.join(cfg.reward_fn)}"
+    return f"the reward of task '{cfg.task}'"
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True  # a request thread never holds the process up at exit
+    request_queue_size = 128  # the listen backlog: many trainer processes may post at the same moment
+
+
+def make_handler(source, batcher, name):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one connection
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/health":
+                self._reply(200, {"status": "ok", "source": name, **batcher.counts})
+            else:
+                self._reply(404, {"error": f"GET {self.path}: not found (POST a request to score, GET /health)"})
+
+        def do_POST(self):
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                prompts, responses, columns = parse_request(self.rfile.read(length))
+                source.check_columns(list(columns))
+            except (BadRequest, RewardError, ValueError) as e:
+                self._reply(400, {"error": " ".join(str(e).split())})
+                return
+            try:
+                scores, metrics = batcher.score(prompts, responses, columns)
+            except RewardError as e:
+                self._reply(500, {"error": " ".join(str(e).split()), "reward_error": True})
+                return
+            self._reply(200, {"rewards": scores, "scores": scores, "extra_logs": metrics})
+
+        def _reply(self, status, obj):
+            body = json.dumps(obj, allow_nan=False).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # no line per request
+            pass
+
+    return Handler
+
+
+def split_server_options(argv):
+    """(the server's own options {host, port, max_batch}, the rest of argv for config.parse_cli)."""
+    own, rest, i = dict(SERVER_OPTIONS), [], 0
+    while i < len(argv):
+        key, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        key = key.replace("-", "_")
+        if key in SERVER_OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"option --{key} needs a value")
+                value, i = argv[i + 1], i + 1
+            own[key] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    try:
+        port, max_batch = int(own["port"]), int(own["max_batch"])
+    except ValueError:
+        raise ConfigError(f"--port and --max_batch take integers, got {own['port']!r} and {own['max_batch']!r}") from None
+    if not 0 <= port < 65536 or max_batch < 1:
+        raise ConfigError(f"--port must be in [0, 65535] and --max_batch >= 1, got {port} and {max_batch}")
+    return {"host": own["host"], "port": port, "max_batch": max_batch}, rest
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    try:
+        server_options, rest = split_server_options(argv)
+        own, overrides = parse_cli(rest)
+        if "resume" in own:
+            raise ConfigError("--resume is ppo-train's; a reward server takes --config and --KEY=VALUE")
+        cfg = build_config(load_toml(own["config"]) if "config" in own else {}, overrides, own.get("config", ""))
+        if cfg.reward_url:
+            raise ConfigError("config key 'reward_url' names another reward server; a reward server scores with "
+                              "its own reward source (reward_fn, reward_model or the task's reward)")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device, dtype, use_autocast = resolve_device_dtype(cfg)
+        source = make_reward_source(cfg, torch.device(device), dtype)
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
+        batcher = Batcher(source, server_options["max_batch"], autocast)
+        name = describe(cfg)
+        try:
+            server = Server((server_options["host"], server_options["port"]),
+                                         make_handler(source, batcher, name))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {server_options['host']}:{server_options['port']}: {e.strerror or e}") from None
+    except (ConfigError, CheckpointError, RewardError, FileNotFoundError) as e:
+        print(f"ppo-serve-reward: error: {e}", file=sys.stderr)
+        return 2
+    host, port = server.server_address[:2]
+    print(f"serving {name} on http://{host}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
