@@ -7,9 +7,14 @@
     PPO_MODAL_GPU=A100-80GB:8 modal run scripts/modal_train.py --config configs/default.toml --lr 1e-6
     PPO_MODAL_NODES=2 modal run scripts/modal_train.py --policy /vol/models/Qwen3-8B      # 2 nodes x 8 GPUs
     modal volume get ppo-core runs/<run> ./<run>                     # the run directory back
+    modal run scripts/modal_train.py --reward_url https://<workspace>--ppo-core-reward-serve.modal.run   # see below
 
 Every argument after the script path goes to `python -m ppo_core.train` unchanged (paths are inside the
 container: the Volume is at /vol, this repository's configs/ at /root/src/configs).
+
+A reward model on its own GPU: deploy it with scripts/modal_reward.py (its own GPU type and autoscaling), then
+pass the URL it prints as `--reward_url` (several URLs, or the same one repeated, comma-separated); like every
+argument it reaches the trainer unchanged, and the reward model then takes no memory on the training GPUs.
 
 Why environment variables and not flags: Modal reads `@app.function(gpu=...)` and `@modal.clustered(size=...)`
 when this file is imported, locally and again in the container, before any argument is parsed. So the GPU spec
