@@ -15,7 +15,7 @@ setup(
     packages=["ppo_core", "ppo_kernels"],
     package_dir={"ppo_core": "ppo_core", "ppo_kernels": "kernels"},
     # the tiny SFT checkpoint of the default job ships inside the package, so `ppo-train` works anywhere
-    package_data={"ppo_core": ["demo/*/*"]},
+    package_data={"ppo_core": ["demo/*/*", "judge_templates/*.jinja"]},
     install_requires=[
         # No triton here: torch's CUDA wheels bring the triton they were built with, and a CPU-only install
         # runs the torch paths (ppo_kernels imports without triton). Only the interpreter-mode tests need it: [test].

@@ -60,6 +60,30 @@ class PPOConfig:
     """Seconds to wait for a reward server's answer to one request before trying again."""
     reward_retries: int = 3
     """Further tries of a reward request that got no answer, each after a doubling wait (1 s, 2 s, 4 s, ...)."""
+    judge: str = ""
+    """Generative judge checkpoint (a *ForCausalLM that writes a rationale, then a verdict: CE-RM, GRAM, RM-R1, or
+    ppo_core/demo/judge-demo) as the reward (ppo_core.judges). Empty = no judge."""
+    judge_mode: str = "pointwise"
+    """'pointwise' (the judge scores each response) or 'pairwise' (it compares the response with a reference response,
+    in both orders; the reward is its mean preference for the policy's response)."""
+    judge_template: str = ""
+    """Jinja file of the judge's prompt, or a shipped name ('pointwise', 'pairwise'). Empty = the judge checkpoint's own
+    <mode>.jinja when it has one, else the shipped template of judge_mode."""
+    judge_reference_column: str = "reference"
+    """Prompt column holding a pairwise judge's reference response; a prompt file without that column gets one
+    response per row sampled from the frozen reference policy."""
+    judge_max_new_tokens: int = 1024
+    """Longest judgement in tokens; a rationale cut there has no verdict."""
+    judge_unparsed_score: float = 0.0
+    """Reward of a judgement without a verdict (pairwise: of that order), counted in the metric judge/unparsed."""
+    judge_score_range: list[float] = field(default_factory=list)
+    """[lo, hi] of a pointwise judge's scale, mapped onto [0, 1] (e.g. 1,10); empty = the parsed score as it is."""
+    judge_temperature: float = 0.0
+    """Judge decoding temperature; 0 = greedy (the default: the same response gets the same judgement)."""
+    judge_enable_thinking: bool = False
+    """The reasoning switch of the judge's own chat template (not the run's enable_thinking)."""
+    judge_batch_size: int = 32
+    """Judge prompts decoded per generate call."""
     chat_template: bool = False
     """Render each prompt as a user turn with the policy's chat template (+ generation prompt); the reward model renders the same conversation with its own."""
     enable_thinking: bool = True
@@ -193,6 +217,10 @@ class PPOConfig:
     """Held-out prompts evaluated before and after training (and every eval_every iterations)."""
     eval_every: int = 0
     """Evaluate every this many iterations as well (0 = only before and after)."""
+    eval_reward_fn: str = ""
+    """A reward function 'module:function' (or 'file.py:function') that scores the held-out evaluations instead of
+    the training reward: a ground-truth check while training on a judge or a reward model (the reverse task's:
+    ppo_core.tasks:reverse_rewards). Empty = the training reward."""
     report_to: str = ""
     """Experiment trackers besides metrics.jsonl, comma-separated: 'tensorboard' (RUN_DIR/tensorboard) and/or 'wandb'
     (project ppo-core; WANDB_MODE=offline keeps the run in RUN_DIR/wandb); each needs its extra, pip install -e
@@ -237,7 +265,7 @@ class PPOConfig:
 
 
 FIELDS = {f.name: f for f in fields(PPOConfig)}
-PATH_FIELDS = ("policy", "reference", "critic", "reward_model", "prompts_file", "eval_prompts_file", "out")
+PATH_FIELDS = ("policy", "reference", "critic", "reward_model", "judge", "prompts_file", "eval_prompts_file", "out")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the other responses to the prompt
@@ -331,6 +359,8 @@ def build_config(toml_values: dict | None = None, overrides: dict | None = None,
             values[key] = os.path.expanduser(values[key])
     if "reward_fn" in values:  # the file part of 'path/file.py:function'
         values["reward_fn"] = [_expand_spec(spec) for spec in values["reward_fn"]]
+    if "eval_reward_fn" in values:
+        values["eval_reward_fn"] = _expand_spec(values["eval_reward_fn"])
     cfg = PPOConfig(**values)
     validate(cfg)
     return cfg
@@ -398,10 +428,19 @@ def validate(cfg: PPOConfig):
     need(not (cfg.reward_fn and cfg.reward_model), "reward_model", "conflicts with reward_fn: give one reward source")
     need(not (cfg.reward_url and (cfg.reward_fn or cfg.reward_model)), "reward_url",
          "conflicts with reward_fn and reward_model: give one reward source (the server has its own)")
+    need(not (cfg.judge and (cfg.reward_fn or cfg.reward_model or cfg.reward_url)), "judge",
+         "conflicts with reward_fn, reward_model and reward_url: give one reward source (a server builds its own judge)")
+    need(cfg.judge_mode in ("pointwise", "pairwise"), "judge_mode", "must be pointwise or pairwise")
+    for key in ("judge_max_new_tokens", "judge_batch_size"):
+        need(getattr(cfg, key) >= 1, key, "must be >= 1")
+    need(cfg.judge_temperature >= 0, "judge_temperature", "must be >= 0 (0 = greedy)")
+    need(not cfg.judge_score_range or (len(cfg.judge_score_range) == 2 and cfg.judge_score_range[0] < cfg.judge_score_range[1]),
+         "judge_score_range", "must be empty or two numbers lo,hi with lo < hi")
     for url in cfg.reward_url:
         need(url.startswith(("http://", "https://")), "reward_url", f"must hold http:// or https:// URLs, not {url!r}")
     need(cfg.reward_timeout_s > 0, "reward_timeout_s", "must be > 0")
     need(cfg.reward_retries >= 0, "reward_retries", "must be >= 0")
+    need(cfg.eval_reward_fn == "" or ":" in cfg.eval_reward_fn, "eval_reward_fn", "must be 'module:function'")
     for spec in cfg.reward_fn:
         need(":" in spec, "reward_fn", f"must name each function as 'module:function' (or 'file.py:function'), not {spec!r}")
     need(len(set(cfg.reward_fn)) == len(cfg.reward_fn), "reward_fn", "names a function twice (add the weights up instead)")

@@ -321,11 +321,21 @@ class RewardModelReward:
 def make_reward_source(cfg, device="cpu", dtype=None):
     """The run's reward source: the reward model (cfg.reward_model), else the reward functions (cfg.reward_fn, a list)
     weighted by cfg.reward_weights (empty = 1.0 each), else the built-in task's reward, as a WeightedReward of one;
-    with cfg.reward_url, the reward servers at those URLs (ppo_core.remote_reward)."""
+    with cfg.reward_url, the reward servers at those URLs (ppo_core.remote_reward); with cfg.judge, a generative judge
+    (ppo_core.judges)."""
     if cfg.reward_url:
         from .remote_reward import RemoteReward
 
         return RemoteReward(cfg.reward_url, cfg.reward_timeout_s, cfg.reward_retries)
+    if cfg.judge:
+        from .judges import JudgeReward
+
+        return JudgeReward(cfg.judge, cfg.judge_mode, template=cfg.judge_template or None,
+                           max_new_tokens=cfg.judge_max_new_tokens, unparsed_score=cfg.judge_unparsed_score,
+                           reference_column=cfg.judge_reference_column, enable_thinking=cfg.judge_enable_thinking,
+                           greedy=cfg.judge_temperature == 0, temperature=cfg.judge_temperature or 1.0,
+                           batch_size=cfg.judge_batch_size, device=device, dtype=dtype, seed=cfg.seed,
+                           score_range=cfg.judge_score_range or None)
     if cfg.reward_model:
         return RewardModelReward(cfg.reward_model, cfg, device, dtype)
     if isinstance(cfg.reward_fn, str):

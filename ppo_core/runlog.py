@@ -80,11 +80,11 @@ def default_run_path(cfg, policy_path, started: datetime.datetime) -> str:
     """The run directory of a run without --out: runs/<policy>-<task>-<date>-<time>.
 
     <policy> is the name of the policy directory; <task> is cfg.task, or "custom" when prompts_file, reward_fn,
-    reward_model or reward_url replace the task's prompts or reward. The task is left out when the policy's name already
+    reward_model, reward_url or judge replace the task's prompts or reward. The task is left out when the policy's name already
     holds it as a dash-separated word, so the default job goes to runs/reverse-demo-20260102-150405 and a
     custom run on ~/models/tiny-qwen3 to runs/tiny-qwen3-custom-20260102-150405."""
     policy_name = os.path.basename(os.path.normpath(os.path.expanduser(policy_path)))
-    task = "custom" if (cfg.prompts_file or cfg.reward_fn or cfg.reward_model or cfg.reward_url) else cfg.task
+    task = "custom" if (cfg.prompts_file or cfg.reward_fn or cfg.reward_model or cfg.reward_url or cfg.judge) else cfg.task
     words = [policy_name] if task in policy_name.split("-") else [policy_name, task]
     return os.path.join("runs", "-".join(words + [f"{started:%Y%m%d-%H%M%S}"]))
 

@@ -24,12 +24,13 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
 Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
 """
 import contextlib
+import dataclasses
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -202,6 +203,7 @@ class Sampled:
     ended: torch.Tensor  # [B] bool, the response ends with an EOS
     scores: torch.Tensor  # [B] float32
     reward_metrics: dict  # name -> [B] float32: each reward function's score and its own metrics
+    reward_texts: dict = field(default_factory=dict)  # name -> B str: a judge's rationales (samples.jsonl)
 
 
 @torch.no_grad()
@@ -216,8 +218,10 @@ def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generat
         # [B] float32 (on the CPU for a reward function), validated; and each component's per-sample values
         scores, reward_metrics = reward_source(texts, responses, columns_of(prompt_rows))
     device = tokens.device
+    numbers = {k: v.float().to(device) for k, v in reward_metrics.items() if isinstance(v, torch.Tensor)}
+    words = {k: list(v) for k, v in reward_metrics.items() if not isinstance(v, torch.Tensor)}  # lists of B str
     return Sampled(prompt_rows, texts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(device),
-                   {k: v.float().to(device) for k, v in reward_metrics.items()})
+                   numbers, words)
 
 
 @torch.no_grad()
@@ -245,6 +249,7 @@ def sample_rows(sampled: Sampled) -> list:
     """What samples.jsonl and the trackers' table show of each row: prompt, response, reward (the score), each reward
     component, and the row's extra columns."""
     components = {k: v.tolist() for k, v in sampled.reward_metrics.items()}
+    components.update(sampled.reward_texts)
     scores = sampled.scores.tolist()
     return [{"prompt": text, "response": response, "reward": scores[i], **{k: v[i] for k, v in components.items()},
              **{k: v for k, v in row.items() if k not in ("prompt", "messages")}}
@@ -258,6 +263,32 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
     prompts = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded)
     return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended
+
+
+def needs_reference_responses(cfg) -> bool:
+    """A pairwise judge compares each response with a reference response: from the prompt column
+    cfg.judge_reference_column, else sampled from the frozen reference policy (with_reference_responses)."""
+    return bool(cfg.judge) and cfg.judge_mode == "pairwise"
+
+
+@torch.no_grad()
+def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, autocast) -> list:
+    """Copies of the prompt rows (dicts) whose cfg.judge_reference_column is missing, given one response sampled from
+    the frozen reference policy (LoRA without a reference checkpoint: the policy with its adapters off) at the run's
+    temperature, with a generator seeded by `seed` alone: every process samples the same (global) rows alike, and a
+    resumed run samples them again identically. Rows that have the column are kept as they are."""
+    column = cfg.judge_reference_column
+    missing = [i for i, row in enumerate(rows) if row.get(column) is None]
+    if not missing:
+        return rows
+    model = policy if reference is policy else reference
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with lora.adapters_disabled(policy) if reference is policy else contextlib.nullcontext():
+        *_, texts, _ = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator, autocast=autocast)
+    out = list(rows)
+    for i, text in zip(missing, texts):
+        out[i] = {**rows[i], column: text}  # a copy: a prompt file's row is drawn again in later passes
+    return out
 
 
 def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast):
@@ -275,6 +306,9 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
         # at different steps, and a resumed run, all draw the same noise for every row.
         generator.manual_seed(cfg.seed * 1_000_003 + it + batch * 1_000_000_007)
         prompt_batch = [p if isinstance(p, dict) else {"prompt": p} for p in stream.next_batch(cfg.rollout_batch_size)]
+        if needs_reference_responses(cfg):  # one reference response per prompt, shared by its n rows
+            prompt_batch = with_reference_responses(prompt_batch, policy, reference, tokenizer, cfg,
+                                                    cfg.seed * 1_000_003 + it + batch * 1_000_000_007 + 1, autocast)
         global_prompts = [row for row in prompt_batch for _ in range(n)]  # [rows_total] a prompt's n rows in a row
         prompts = global_prompts[local]
         encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
@@ -317,7 +351,9 @@ def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
                                                sampled.ended, sampled.scores)]
     responses = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(parts[2].cpu(), parts[3].cpu())]
     metrics = {k: dist.all_gather_rows(v) for k, v in sampled.reward_metrics.items()}
-    return Sampled(global_prompts, [prompt_text(r) for r in global_prompts], responses, *parts, metrics)
+    # a judge's rationales travel only within one process (texts are not gathered): kept in a 1-process run
+    words = sampled.reward_texts if dist.world_size() == 1 else {}
+    return Sampled(global_prompts, [prompt_text(r) for r in global_prompts], responses, *parts, metrics, words)
 
 
 def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
@@ -331,7 +367,8 @@ def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
                    torch.stack([left_pad(s.prompt_mask, False)[j] for s, j in picked]),
                    torch.stack([s.tokens[j] for s, j in picked]), torch.stack([s.response_mask[j] for s, j in picked]),
                    torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]),
-                   {k: torch.stack([s.reward_metrics[k][j] for s, j in picked]) for k in batches[0].reward_metrics})
+                   {k: torch.stack([s.reward_metrics[k][j] for s, j in picked]) for k in batches[0].reward_metrics},
+                   {k: [s.reward_texts[k][j] for s, j in picked] for k in batches[0].reward_texts})
 
 
 def micro_batches(n, size, order=None):
@@ -823,10 +860,17 @@ def run(cfg: PPOConfig, resume_from=None):
             raise ConfigError(f"config key 'chat_template': the policy {policy_path} cannot render a chat: {e}; "
                               f"add chat_template.jinja, or drop --chat_template") from None
     reward_source = make_reward_source(cfg, device, param_dtype)
+    eval_source = reward_source  # what scores the held-out evaluations: the training reward, or eval_reward_fn
+    if cfg.eval_reward_fn:
+        eval_source = make_reward_source(dataclasses.replace(cfg, reward_fn=[cfg.eval_reward_fn], reward_weights=[],
+                                                             reward_model="", reward_url=[], judge=""))
     policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     sharded = dist.is_sharded(policy)
     train_rows, held_out, stream = prompt_rows(cfg)
-    reward_source.check_columns(sorted(set(columns_of(train_rows + held_out))))  # a column the reward needs is there
+    columns = set(columns_of(train_rows + held_out)) | ({cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
+    reward_source.check_columns(sorted(columns))  # a column the reward needs is there (or will be sampled)
+    if eval_source is not reward_source:
+        eval_source.check_columns(sorted(set(columns_of(held_out))))
     clash = [c for c in columns_of(train_rows) if c in ("step", "response", "reward") or c.startswith("reward/")]
     if cfg.log_samples_every and clash:
         raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
@@ -858,6 +902,8 @@ def run(cfg: PPOConfig, resume_from=None):
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
               else algo.FixedKLController(cfg.kl_coef))
     eval_seed = cfg.seed + 12345
+    if needs_reference_responses(cfg):  # the held-out rows' reference responses, sampled once for every evaluation
+        held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg, eval_seed + 1, autocast)
     t0 = time.perf_counter()
 
     start_iter, state = 0, {}
@@ -879,8 +925,8 @@ def run(cfg: PPOConfig, resume_from=None):
             where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
             log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
         try:
-            state["eval_before"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
-            state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
+            state["eval_before"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
+            state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=True, autocast=autocast)
         except RewardUnavailable as e:
             log.close(), tracker.close()  # no iteration done, nothing to save: the run directory starts over
             raise RewardServerDown(f"{e} during the evaluation before training; nothing saved yet; start again "
@@ -915,7 +961,7 @@ def run(cfg: PPOConfig, resume_from=None):
     if "pending_metrics" in state:  # the run stopped in iteration start_iter's evaluation (server down): finish it
         metrics = state.pop("pending_metrics")
         try:
-            metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+            metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
         except RewardUnavailable as e:
             state["pending_metrics"] = metrics
             raise server_down(e, start_iter, f" in the evaluation of iteration {start_iter}") from None
@@ -976,7 +1022,7 @@ def run(cfg: PPOConfig, resume_from=None):
                 metrics["value/explained_var"] = algo.explained_variance(dist.all_gather_rows(rollout.old_values), returns, mask)
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
                 try:
-                    metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
+                    metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
                 except RewardUnavailable as e:  # the update is done: save it, and the metrics a resume completes
                     write_samples(it, rollout.sampled)
                     state["pending_metrics"] = metrics
@@ -993,8 +1039,8 @@ def run(cfg: PPOConfig, resume_from=None):
                                     f"in {run_dir.path}; continue with: ppo-train --resume {run_dir.path}")
 
     try:
-        after = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=autocast)
-        after_greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=autocast)
+        after = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
+        after_greedy = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=True, autocast=autocast)
     except RewardUnavailable as e:  # the final checkpoint is saved: a resume runs no iteration, only this evaluation
         log.close(), tracker.close()
         raise RewardServerDown(f"{e} during the final evaluation; the final checkpoint (iteration {cfg.iterations}) is "

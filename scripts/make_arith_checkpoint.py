@@ -17,7 +17,7 @@
    sampled at T=1 with ppo_core.generate, and writes the Hugging Face layout: config.json,
    model.safetensors, tokenizer.json, tokenizer_config.json. Deterministic for a given seed on a given machine.
 
-Measured 2026-12-03 on the development machine (2-core Xeon with AMX, one thread), the shipped checkpoint: 6000
+Measured 2026-12-03 on the development machine (2-core AMD EPYC, one thread), the shipped checkpoint: 6000
 steps in 524 s, final SFT loss 0.07; held-out exact match 0.3359 greedy, 0.5234 sampled at T=1 (this script's
 sampling; ppo-train's evaluation draws other noise and reads 0.3359 / 0.5078). `ppo-train --task=arith` (PPO, the
 defaults, 60 iterations, 30 s) then reaches 0.9219 greedy / 0.8555 sampled.
