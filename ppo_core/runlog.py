@@ -116,6 +116,21 @@ def _continue_hint(path, saved: dict) -> str:
             + (f" --reference {reference}" if reference else "") + ")")
 
 
+def truncate_jsonl(path, step):
+    """Keep the lines of a JSON-lines log (metrics.jsonl, samples.jsonl) whose "step" is <= step, replacing the file
+    atomically (rank 0 only; a missing file is left missing)."""
+    if not is_rank0() or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class RunDir:
     """The run directory: created for a new run, re-opened (after checks) for a resumed one."""
 
@@ -202,17 +217,7 @@ class RunDir:
 
     def truncate_metrics(self, step):
         """Keep the metrics of iterations <= step: later lines belong to iterations a resume redoes."""
-        path = os.path.join(self.path, "metrics.jsonl")
-        if not is_rank0() or not os.path.isfile(path):
-            return
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        truncate_jsonl(os.path.join(self.path, "metrics.jsonl"), step)
 
     def save_checkpoint(self, step, sharded=False, **kwargs):
         """Rank 0 saves; with sharded (FSDP) models every process takes part."""

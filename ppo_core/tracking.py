@@ -19,7 +19,7 @@ import numbers
 import os
 import secrets
 
-from .runlog import is_rank0
+from .runlog import is_rank0, truncate_jsonl
 
 REPORT_TO = ("tensorboard", "wandb")
 SAMPLES_FILE = "samples.jsonl"
@@ -238,14 +238,4 @@ def write_samples(run_dir: str, rows: list[dict], step: int):
 def truncate_samples(run_dir: str, step: int):
     """Keep the samples of iterations <= step: later lines belong to iterations a resume redoes
     (as runlog.RunDir.truncate_metrics does for metrics.jsonl)."""
-    path = os.path.join(run_dir, SAMPLES_FILE)
-    if not is_rank0() or not os.path.isfile(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    truncate_jsonl(os.path.join(run_dir, SAMPLES_FILE), step)
