@@ -25,6 +25,7 @@ is raised on all of them, so that they stop together instead of waiting for each
 import concurrent.futures
 import http.client
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -46,6 +47,21 @@ def unreachable(urls, tries, reason) -> RewardUnavailable:
     return RewardUnavailable(f"reward server {', '.join(urls)} unreachable after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})")
 
 
+PROXY_AUTH_ENV = ("PPO_REWARD_PROXY_KEY", "PPO_REWARD_PROXY_SECRET")
+
+
+def proxy_auth_headers(environ) -> dict:
+    """The Modal-Key / Modal-Secret headers of a Modal Proxy Auth Token, which a reward server deployed with
+    PPO_MODAL_REWARD_PROXY_AUTH=1 (scripts/modal_reward.py) requires: the token's ID and secret from the environment
+    variables PPO_REWARD_PROXY_KEY and PPO_REWARD_PROXY_SECRET (never from the config, which the run directory
+    records). Neither set: no headers. One of them alone is a RewardError."""
+    key, secret = (environ.get(name, "") for name in PROXY_AUTH_ENV)
+    if bool(key) != bool(secret):
+        raise RewardError(f"set both {PROXY_AUTH_ENV[0]} and {PROXY_AUTH_ENV[1]} (a Modal proxy auth token's ID and "
+                          f"secret), or neither")
+    return {"Modal-Key": key, "Modal-Secret": secret} if key else {}
+
+
 class _Down(Exception):
     """One try that got no usable answer (connection, timeout, HTTP 5xx): worth another try."""
 
@@ -63,6 +79,7 @@ class RemoteReward:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ValueError("RemoteReward needs at least one URL")
+        self.headers = {"Content-Type": "application/json", **proxy_auth_headers(os.environ)}
         self.timeout_s, self.retries, self.backoff_s = float(timeout_s), int(retries), float(backoff_s)
         self.start = 0  # the URL of the next call's first chunk: round-robin across calls
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls)) if len(self.urls) > 1 else None
@@ -131,7 +148,7 @@ class RemoteReward:
 
     def _post(self, url, body: bytes):
         """One try: the server's answer as text; RewardError for a refusal or a reward error, _Down otherwise."""
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(url, data=body, headers=self.headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 return reply.read().decode("utf-8", errors="replace")

@@ -42,7 +42,8 @@ is imported, locally at `modal deploy` and again in each container, before any a
     PPO_MODAL_REWARD_APP             the Modal app's name (default ppo-core-reward); one name per deployed server
     PPO_MODAL_REWARD_PROXY_AUTH      1: the URL requires Modal-Key / Modal-Secret headers (a Modal proxy auth
                                      token); default 0, an open URL: anyone who has it can score on your GPU.
-                                     ppo-core's trainer does not send these headers yet
+                                     The trainer sends them when PPO_REWARD_PROXY_KEY and PPO_REWARD_PROXY_SECRET
+                                     are set (on Modal: put both in the Secret named by PPO_MODAL_SECRET)
     PPO_MODAL_VOLUME, PPO_MODAL_SECRET   as in scripts/modal_train.py: the Volume with the weights (default
                                      ppo-core) and an optional Modal Secret exposed as environment variables
 The image sets them in the container too, so that both sides build the same function.

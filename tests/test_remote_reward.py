@@ -32,13 +32,14 @@ class ScriptedServer:
     few), "text" (a score that is a string), "nan", "503", "sleep" (answers after 3 s), "close" (hangs up)."""
 
     def __init__(self, script):
-        self.script, self.requests = list(script), []
+        self.script, self.requests, self.headers = list(script), [], []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(request)
+                server.headers.append({k.lower(): v for k, v in self.headers.items()})  # names are case-blind
                 what = server.script[min(len(server.requests), len(server.script)) - 1]
                 rewards = reverse_rewards(request["prompts"], request["responses"])
                 body = {"ok": json.dumps({"rewards": rewards, "extra_logs": {"reward/reverse": rewards}}),
@@ -107,6 +108,21 @@ def test_right_answers_and_text_entries(scripted):
     assert server.requests[1]["level"] == [1, 2, 3]
     assert metrics["judge/rationale"] == ["because ba", "because dc", "because gfx"]  # text passes through
     assert torch.equal(metrics["len"], torch.tensor([2.0, 2.0, 3.0]))
+
+
+def test_modal_proxy_auth_headers_come_from_the_environment(scripted, monkeypatch):
+    server = scripted("ok")
+    RemoteReward([server.url], timeout_s=10, retries=0)(PROMPTS, RESPONSES)
+    assert "modal-key" not in server.headers[0] and "modal-secret" not in server.headers[0]
+    monkeypatch.setenv("PPO_REWARD_PROXY_KEY", "wk-1234abcd")
+    monkeypatch.setenv("PPO_REWARD_PROXY_SECRET", "ws-5678efgh")
+    RemoteReward([server.url], timeout_s=10, retries=0)(PROMPTS, RESPONSES)
+    assert server.headers[1]["modal-key"] == "wk-1234abcd" and server.headers[1]["modal-secret"] == "ws-5678efgh"
+    monkeypatch.delenv("PPO_REWARD_PROXY_SECRET")
+    with pytest.raises(RewardError) as e:
+        RemoteReward([server.url])
+    assert str(e.value) == ("set both PPO_REWARD_PROXY_KEY and PPO_REWARD_PROXY_SECRET (a Modal proxy auth token's ID "
+                            "and secret), or neither")
 
 
 @pytest.mark.parametrize("what, message", [
