@@ -65,7 +65,8 @@ class PPOConfig:
     ppo_core/demo/judge-demo) as the reward (ppo_core.judges). Empty = no judge."""
     judge_mode: str = "pointwise"
     """'pointwise' (the judge scores each response) or 'pairwise' (it compares the response with a reference response,
-    in both orders; the reward is its mean preference for the policy's response)."""
+    in both orders; the reward is its mean preference for the policy's response). With reward_url, 'pairwise' says
+    the server's judge is pairwise: the trainer sends the reference responses (judge_reference_column) along."""
     judge_template: str = ""
     """Jinja file of the judge's prompt, or a shipped name ('pointwise', 'pairwise'). Empty = the judge checkpoint's own
     <mode>.jinja when it has one, else the shipped template of judge_mode."""

@@ -266,9 +266,10 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
 
 
 def needs_reference_responses(cfg) -> bool:
-    """A pairwise judge compares each response with a reference response: from the prompt column
-    cfg.judge_reference_column, else sampled from the frozen reference policy (with_reference_responses)."""
-    return bool(cfg.judge) and cfg.judge_mode == "pairwise"
+    """A pairwise judge, in this process (cfg.judge) or on a reward server (cfg.reward_url with judge_mode pairwise),
+    compares each response with a reference response: from the prompt column cfg.judge_reference_column, else
+    sampled from the frozen reference policy (with_reference_responses) and sent along as that column."""
+    return cfg.judge_mode == "pairwise" and bool(cfg.judge or cfg.reward_url)
 
 
 @torch.no_grad()

@@ -72,6 +72,31 @@ def test_pairwise_judge_compares_with_reference_policy_samples_when_rows_have_no
         assert s["reward"] == wins / 2 and s["judge/pref_policy_as_a"] == float("[[A]]" in a)
 
 
+def test_a_pairwise_judge_on_a_server_gets_reference_responses_from_the_trainer(tmp_path):
+    """The trainer told --judge_mode=pairwise with --reward_url samples the reference responses and sends them as the
+    judge_reference_column column; the server's pairwise judge reads them."""
+    server = subprocess.Popen([sys.executable, "-m", "ppo_core.reward_server", "--host=127.0.0.1", "--port=0",
+                               f"--judge={JUDGE}", "--judge_mode=pairwise", "--judge_max_new_tokens=96"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        ready = server.stdout.readline()
+        assert " on http://127.0.0.1:" in ready, server.stderr.read()
+        run = tmp_path / "run"
+        proc = ppo_train(f"--reward_url={ready.split(' on ')[-1].strip()}", "--judge_mode=pairwise", TRUE_REWARD,
+                         "--iterations=1", "--eval_size=8", "--rollout_batch_size=8", "--minibatch_size=8",
+                         "--micro_batch_size=8", "--log_samples_every=1", "--progress=false", f"--out={run}", cwd=tmp_path)
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = read_jsonl(run / "samples.jsonl")
+    assert len(samples) == 8 and all(s["reference"] and "--- policy response as B ---" in s["judge/rationale"]
+                                     for s in samples)
+    for s in samples:
+        a, b = s["judge/rationale"].split("\n--- policy response as B ---\n")
+        assert s["reward"] == (("[[A]]" in a) + ("[[B]]" in b)) / 2
+
+
 @pytest.mark.parametrize("other", ["--reward_fn=ppo_core.tasks:reverse_rewards", "--reward_url=http://127.0.0.1:9"])
 def test_a_judge_and_another_reward_source_is_one_line(tmp_path, other):
     proc = ppo_train(f"--judge={JUDGE}", other, f"--out={tmp_path / 'run'}", cwd=tmp_path)
