@@ -903,7 +903,7 @@ def run(cfg: PPOConfig, resume_from=None):
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
               else algo.FixedKLController(cfg.kl_coef))
     eval_seed = cfg.seed + 12345
-    if needs_reference_responses(cfg):  # the held-out rows' reference responses, sampled once for every evaluation
+    if needs_reference_responses(cfg) and eval_source is reward_source:  # the held-out rows' references, sampled once
         held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg, eval_seed + 1, autocast)
     t0 = time.perf_counter()
 
