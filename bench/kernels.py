@@ -2,18 +2,21 @@
 
     python bench/kernels.py --device cuda              # GPU table (bf16, N = 1024/4096/16384, H = 4096, V = 151936)
     python bench/kernels.py --device cuda --no-compile # the same without the torch.compile rows (what gpu_suite.sh runs)
-    python bench/kernels.py --device cpu               # CPU table (float32; ~45 min on 2 busy cores)
-    python bench/kernels.py --device cpu --quick       # tiny CPU shapes, about a minute: checks that every row runs
+    python bench/kernels.py --device cpu               # CPU table (fp32, bf16, autocast; the fp32 rows alone: ~45 min)
+    python bench/kernels.py --device cpu --medium      # CPU table at SmolLM2-135M's head (V = 49152, H = 576)
+    python bench/kernels.py --device cpu --quick       # tiny CPU shapes, ~7 min: checks that every row runs
     python bench/kernels.py --smoke                    # the GPU runner's code on the CPU at tiny shapes, seconds
-    python bench/kernels.py --only linear              # one op: logits | linear | linear-autocast | loss
+    python bench/kernels.py --only linear              # one op (and its -autocast rows): logits | linear | loss
 
 Physical units against ceilings measured in the same run, in the same process: GB/s against a large tensor
 copy (bytes = one read of the logits for the forward, read + read + write for forward + backward) for the
 logits op; TFLOP/s against a large matmul (bf16 8192^3 on CUDA) (2NHV per projection: 1 forward, 3 forward +
 backward) for the fused-linear ops ("loss" forms its gradients in the forward, so its forward already holds the
 whole cost). "vs eager" is forward + backward time and extra memory relative to the torch-eager row of the
-same shape. "linear-autocast" feeds fp32 hidden states and weight under bf16 autocast, as the trainer does
-(fp32 master weights): the fused kernels should run their bf16 path there, at the bf16 row's speed.
+same shape and dtype. "linear-autocast" and "loss-autocast" feed fp32 hidden states and weight under bf16
+autocast, as the trainer does (fp32 master weights): the fused kernels should run their bf16 path there, at the
+bf16 row's speed. On the CPU every op is measured in float32 and in bfloat16 (the bf16 rows' %ceil is against a
+bf16 matmul measured in the same run; bf16 GEMMs run at 2-3x the fp32 rate on CPUs with AVX512-BF16 or AMX).
 
 CUDA (and --smoke): inputs are made on the device with a device generator; every implementation runs in one
 process, one after another, with the allocator's peak statistics reset between them ("extra MiB" =
@@ -138,8 +141,21 @@ def linear_autocast_impls():
     return {name: under_autocast(impls[name]) for name in ("torch eager", "ppo_kernels")}
 
 
+def loss_autocast_impls():
+    """op 'loss-autocast': the policy update's loss from fp32 hidden and weight under bf16 autocast (as the
+    trainer's fp32 master weights reach it): eager autocasts its matmul, the fused loss casts its operands."""
+    impls = loss_impls()
+
+    def under_autocast(fn):
+        def run(h, w, *token_args):
+            with torch.autocast(h.device.type, dtype=torch.bfloat16):
+                return fn(h, w, *token_args)
+        return run
+    return {name: under_autocast(impls[name]) for name in ("torch eager", "ppo_kernels") if name in impls}
+
+
 IMPLS = {"logits": logits_impls, "linear": linear_impls, "linear-autocast": linear_autocast_impls,
-         "loss": loss_impls}
+         "loss": loss_impls, "loss-autocast": loss_autocast_impls}
 
 
 # -------------------------------------------------------------------------------------------- one measurement
@@ -267,7 +283,17 @@ def ceilings(device, small=False):
         a, b = torch.randn(2048, 1024), torch.randn(1024, 4096)  # the torch path's tile shape
         flops, dtype = 2 * 2048 * 1024 * 4096, "fp32"
     mm_s = timed(lambda: a @ b, 10 if device == "cuda" else 5)
-    return {"copy_GBps": 2 * nbytes / copy_s / 1e9, "mm_TFLOPs": flops / mm_s / 1e12, "mm_dtype": dtype}
+    result = {"copy_GBps": 2 * nbytes / copy_s / 1e9, "mm_TFLOPs": flops / mm_s / 1e12, "mm_dtype": dtype}
+    if device == "cpu":  # the bf16 rows' ceiling: the same product in bf16 (oneDNN; fp32 accumulation inside)
+        a, b = a.bfloat16(), b.bfloat16()
+        result["mm_bf16_TFLOPs"] = flops / timed(lambda: a @ b, 10 if small else 5) / 1e12
+    return result
+
+
+def mm_ceiling(ceiling, op, dtype):
+    """The matmul rate a row is measured against: the bf16 one (where measured) for bf16 rows and autocast ops."""
+    bf16 = dtype == "bfloat16" or op.endswith("-autocast")
+    return ceiling.get("mm_bf16_TFLOPs", ceiling["mm_TFLOPs"]) if bf16 else ceiling["mm_TFLOPs"]
 
 
 def measure_in_process(fn, inputs, leaves, device, warmup, repeats):
@@ -371,12 +397,16 @@ def fmt_time(seconds):
     return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds * 1e3:.0f}"
 
 
+def fmt_rate(tflops):
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.1f} GFLOP/s"
+
+
 def print_header(ceiling, device, threads="?"):
-    mm = (f"{ceiling['mm_TFLOPs']:.1f} TFLOP/s" if ceiling["mm_TFLOPs"] >= 1
-          else f"{ceiling['mm_TFLOPs'] * 1e3:.1f} GFLOP/s")
+    mm = f"{fmt_rate(ceiling['mm_TFLOPs'])} ({ceiling['mm_dtype']})"
+    if "mm_bf16_TFLOPs" in ceiling:
+        mm += f", {fmt_rate(ceiling['mm_bf16_TFLOPs'])} (bf16)"
     where = torch.cuda.get_device_name() if device == "cuda" else f"{threads} threads"
-    print(f"\n## {device}: copy {ceiling['copy_GBps']:.1f} GB/s, matmul {mm} ({ceiling['mm_dtype']}), {where}, "
-          f"torch {torch.__version__}\n")
+    print(f"\n## {device}: copy {ceiling['copy_GBps']:.1f} GB/s, matmul {mm}, {where}, torch {torch.__version__}\n")
     header = ["op", "shape", "dtype", "impl", "fwd ms", "fwd+bwd ms", "fwd rate", "fwd %ceil", "f+b rate",
               "f+b %ceil", "fwd extra MiB", "f+b extra MiB", "time vs eager", "mem vs eager"]
     print("| " + " | ".join(header) + " |")
@@ -400,8 +430,7 @@ def print_row(row, ceiling, eager):
             rates += [f"{gbps:.1f} GB/s", f"{100 * gbps / ceiling['copy_GBps']:.0f}%"]
         else:
             tflops = flop_units[units_index] / seconds / 1e12
-            rates += [f"{tflops * 1e3:.1f} GFLOP/s" if tflops < 1 else f"{tflops:.1f} TFLOP/s",
-                      f"{100 * tflops / ceiling['mm_TFLOPs']:.0f}%"]
+            rates += [fmt_rate(tflops), f"{100 * tflops / mm_ceiling(ceiling, op, dtype):.0f}%"]
     base = eager.get((op, shape, dtype))
     vs = ["", ""]
     if base:
@@ -445,17 +474,21 @@ def goals_summary(rows, ceiling):
               f"{memory:.3f}x eager (goal <= 0.050x): {'met' if met else 'NOT met'}")
 
 
-def configs(device, quick, smoke=False):
+def configs(device, quick, smoke=False, medium=False):
     if smoke:  # the GPU runner's cases at toy size, bf16 as on a GPU (the Triton interpreter on the CPU)
         return [("logits", (64, 512), "bfloat16"), ("linear", (64, 64, 512), "bfloat16"),
                 ("linear-autocast", (64, 64, 512), "float32"), ("loss", (64, 64, 512), "bfloat16")]
     if device == "cpu":
+        # each op in float32, in bfloat16, and (the fused heads) fp32 under bf16 autocast, side by side
         if quick:
-            return [("logits", (64, 4096), "float32"), ("linear", (128, 64, 4096), "float32"),
-                    ("loss", (128, 64, 4096), "float32")]
-        return [("logits", (1024, 151936), "float32"),  # the issue's CPU goal shapes
-                ("linear", (2048, 1024, 151936), "float32"),
-                ("loss", (2048, 1024, 151936), "float32")]
+            logits, head = (64, 4096), (128, 64, 4096)
+        elif medium:  # SmolLM2-135M's head: 1024 kept tokens, H = 576, V = 49152
+            logits, head = (1024, 49152), (1024, 576, 49152)
+        else:  # the issue's CPU goal shapes
+            logits, head = (1024, 151936), (2048, 1024, 151936)
+        return [("logits", logits, "float32"), ("logits", logits, "bfloat16"),
+                ("linear", head, "float32"), ("linear", head, "bfloat16"), ("linear-autocast", head, "float32"),
+                ("loss", head, "float32"), ("loss", head, "bfloat16"), ("loss-autocast", head, "float32")]
     if quick:
         return [("logits", (1024, 151936), "bfloat16"), ("linear", (1024, 1024, 151936), "bfloat16"),
                 ("linear-autocast", (1024, 1024, 151936), "float32"), ("loss", (1024, 1024, 151936), "bfloat16")]
@@ -471,16 +504,21 @@ def configs(device, quick, smoke=False):
 
 
 def autocast_summary(rows):
-    """One line: the fused head on fp32 inputs under bf16 autocast against the same head on bf16 inputs."""
-    times = {(op, shape): r["total_s"] for op, shape, dtype, impl, r in rows
+    """The fused heads' forward + backward, ppo_kernels rows: bf16 inputs against fp32 ones (where both were
+    measured: the CPU tables), and fp32 inputs under bf16 autocast against bf16 inputs."""
+    times = {(op, shape, dtype): r["total_s"] for op, shape, dtype, impl, r in rows
              if impl == "ppo_kernels" and "error" not in r}
-    for (op, shape), t in times.items():
-        if op == "linear-autocast" and ("linear", shape) in times:
-            ratio = t / times[("linear", shape)]
-            verdict = ("" if not torch.cuda.is_available() else ": the bf16 path" if ratio < 1.5
-                       else ": NOT the bf16 path (fp32 kernels under autocast)")
-            print(f"\nlinear_token_logprobs {'x'.join(map(str, shape))}: fp32 inputs under bf16 autocast take "
-                  f"{ratio:.2f}x the bf16-input time{verdict}")
+    names = {"logits": "token_logprobs", "linear": "linear_token_logprobs", "loss": "linear_policy_loss"}
+    print()
+    for (op, shape, dtype), t in times.items():
+        where = f"{names[op.removesuffix('-autocast')]} {'x'.join(map(str, shape))}"
+        if dtype == "bfloat16" and (op, shape, "float32") in times:
+            print(f"{where}: bf16 inputs take {t / times[(op, shape, 'float32')]:.2f}x the fp32-input time")
+        base = (op.removesuffix("-autocast"), shape, "bfloat16")
+        if op.endswith("-autocast") and base in times:
+            ratio = t / times[base]
+            verdict = ": the bf16 path" if ratio < 1.5 else ": NOT the bf16 path (fp32 kernels under autocast)"
+            print(f"{where}: fp32 inputs under bf16 autocast take {ratio:.2f}x the bf16-input time{verdict}")
 
 
 def mm_fp32_path(device):
@@ -495,11 +533,16 @@ def mm_fp32_path(device):
         return f"probe failed: {type(e).__name__}: {e}"
 
 
+def selected(op, only):
+    """--only OP runs OP and OP-autocast (the same head on fp32 inputs under bf16 autocast)."""
+    return not only or op in (only, f"{only}-autocast")
+
+
 def run_cpu_subprocesses(args):
     """The CPU table: one fresh process per measurement (its own VmHWM), rounds interleaving the rows."""
     ceiling_runs, rows = [], []
-    for op, shape, dtype in configs("cpu", args.quick):
-        if args.only and op != args.only:
+    for op, shape, dtype in configs("cpu", args.quick, medium=args.medium):
+        if not selected(op, args.only):
             continue
         impl_names = [n for n in IMPLS[op]() if not (args.no_compile and n == "torch.compile")]
         results = {impl: [] for impl in impl_names}
@@ -518,6 +561,7 @@ def run_cpu_subprocesses(args):
             rows.append((op, shape, dtype, impl, merge(results[impl])))
     ceiling = {"copy_GBps": max(c.get("copy_GBps", 0) for c in ceiling_runs),
                "mm_TFLOPs": max(c.get("mm_TFLOPs", 0) for c in ceiling_runs),
+               "mm_bf16_TFLOPs": max(c.get("mm_bf16_TFLOPs", 0) for c in ceiling_runs),
                "mm_dtype": ceiling_runs[0].get("mm_dtype", "?")}
     return rows, ceiling
 
@@ -526,10 +570,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes: check that every row runs")
+    parser.add_argument("--medium", action="store_true",
+                        help="CPU: SmolLM2-135M's head (N = 1024, H = 576, V = 49152) instead of the goal shapes")
     parser.add_argument("--smoke", action="store_true",
                         help="the CUDA runner (one process, device-made inputs) at toy shapes on --device (cpu: "
                              "ppo_kernels on the Triton interpreter when TRITON_INTERPRET=1 and PPO_KERNELS_BACKEND=triton)")
-    parser.add_argument("--only", choices=sorted(IMPLS), help="run one op")
+    parser.add_argument("--only", choices=sorted(IMPLS), help="run one op (and its -autocast variant)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per row (CUDA, --smoke) or rounds of one call each (CPU)")
@@ -550,16 +596,16 @@ def main():
         rows, ceiling = run_cpu_subprocesses(args)
         print_table(rows, ceiling, args.device)
     else:
-        cases = [c for c in configs(args.device, args.quick, args.smoke) if not args.only or c[0] == args.only]
+        cases = [c for c in configs(args.device, args.quick, args.smoke) if selected(c[0], args.only)]
         no_compile = args.no_compile or args.smoke  # the smoke run checks code paths, not inductor on a CPU
         rows, ceiling = run_in_process(args.device, cases, lambda name: not (no_compile and name == "torch.compile"),
                                        args.warmup, args.repeats, small_ceilings=args.smoke)
     autocast_summary(rows)
-    if args.device == "cuda" or args.smoke:
+    if args.device == "cuda" or args.smoke:  # the Triton kernels' runs (the CPU tables run the torch paths)
         goals_summary(rows, ceiling)
-    path = mm_fp32_path(args.device)
-    if path:
-        print(f"fp32-output matmul of the bf16 backward on {args.device}: {path}")
+        path = mm_fp32_path(args.device)
+        if path:
+            print(f"fp32-output matmul of the bf16 backward on {args.device}: {path}")
     if args.smoke and any("error" in r[-1] for r in rows):
         sys.exit("bench/kernels.py --smoke: a row failed (see the table)")
 

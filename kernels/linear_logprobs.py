@@ -9,10 +9,10 @@ tile from the saved logsumexp, turns it into dz, and accumulates
 
     dhidden += dz_tile @ weight_tile / temperature,   dweight_tile = dz_tile.T @ hidden / temperature
 
-so its workspace is one tile (plus an [N, H] accumulator, fp64 for fp32 inputs: see _tile_shape), never
-[N, V]. This costs one extra matmul (4 instead of 3 for forward + backward), the price of not storing the
-logits; with upstream gradients unknown in the forward (two per row: log-prob and entropy) it cannot be
-avoided. (linear_policy_loss in loss.py knows its gradient in the forward and gets by with 3.)
+so its workspace is one tile (plus an [N, H] accumulator, fp64 for fp32 inputs: see _tile_shape; fp32 for
+bf16 ones), never [N, V]. This costs one extra matmul (4 instead of 3 for forward + backward), the price of not
+storing the logits; with upstream gradients unknown in the forward (two per row: log-prob and entropy) it
+cannot be avoided. (linear_policy_loss in loss.py knows its gradient in the forward and gets by with 3.)
 
 Three implementations with one signature, in this file:
   - `linear_token_logprobs_reference`: hidden @ weight.T then `token_logprobs_reference` (full logits).
@@ -21,6 +21,9 @@ Three implementations with one signature, in this file:
     vocabulary split) programs, then a small merge; the backward writes dz for one block of V at a time into a
     bounded workspace and hands it to two cuBLAS matmuls (`_mm_fp32`; deterministic, unlike atomics).
   - the chunked torch path (`_fwd_torch`, `_bwd_torch`): the same tiling with torch.mm; what CPU tensors run.
+    bf16 operands stay bf16 for its matmuls (`_torch_mm_dtype`: bf16 GEMMs run at 2-3x the fp32 rate on CPUs
+    with AVX512-BF16 or AMX); their outputs come back rounded to bf16 (CPU GEMMs have no fp32 output for bf16
+    operands), as eager bf16's logits and gradients do: |error| <= 2^-8 |z| per logit. The statistics are fp32.
 
 The Triton forward is split over the vocabulary as well as the rows, so that a few thousand kept tokens still
 fill a GPU: program (i, j) folds rows block i against vocabulary split j into partial statistics (m, s, a,
@@ -34,10 +37,13 @@ SPLIT_V is chosen from N and the GPU's SM count (`_split_plan`); SPLIT_V = 1 giv
 Rows whose label is -100 are dropped before any matmul (they give log-prob 0, entropy 0, zero gradient); any
 other label outside [0, V) is a ValueError (one host sync per call).
 
-Dtypes: under autocast (the trainer's fp32 master weights + bf16 autocast), fp32 hidden and weight are cast to
-the autocast dtype *before* the autograd Function, so the kernels take their bf16 tensor-core path and autograd
-carries the gradient back to the fp32 tensors; everything inside then runs with autocast disabled, at the
-dtypes chosen here. A weight of another dtype than hidden is cast to hidden's; the last dims are made contiguous.
+Dtypes: under autocast (the trainer's fp32 master weights + bf16 autocast, on CUDA or the CPU), fp32 hidden and
+weight are cast to the autocast dtype *before* the autograd Function, so the kernels take their bf16 path
+(tensor cores; bf16 GEMMs on the CPU) and autograd carries the gradient back to the fp32 tensors (computed in
+bf16's precision, as autocast's own matmuls give it); everything inside then runs with autocast disabled, at
+the dtypes chosen here. A weight of another dtype than hidden is cast to hidden's; the last dims are made
+contiguous. Log-probs and entropies are fp32 (fp64 for fp64 inputs on the torch path), gradients come back in
+the operands' dtypes. tests/test_kernels_bf16.py checks the bf16 torch path against float64.
 """
 import functools
 
@@ -53,8 +59,9 @@ try:
 except ImportError:
     triton = None
 
-# Elements in one logits tile on the torch path (fp32: 32 MiB; two such buffers are live). At N = 2048 that
-# is 4096 vocabulary columns: [2048, 1024] x [1024, 4096] products already run at the CPU's matmul rate.
+# Elements in one logits tile on the torch path (fp32: 32 MiB; two such buffers are live, plus a bf16 one of 16 MiB
+# for bf16 operands: the GEMMs' output and dz). At N = 2048 that is 4096 vocabulary columns: [2048, 1024] x
+# [1024, 4096] products already run at the CPU's matmul rate.
 TORCH_TILE_ELEMENTS = 1 << 23
 # Elements in the backward's dz workspace on the Triton path (bf16: 128 MiB).
 TRITON_TILE_ELEMENTS = 1 << 26
@@ -480,25 +487,67 @@ def _fold_tile(z, stats, rows, e_buf, local_labels, in_tile, need_entropy=True):
         t[rows] = new
 
 
+def _torch_mm_dtype(dtype):
+    """The dtype the torch path's matmuls run in for operands of `dtype`; its statistics are _compute_dtype's.
+
+    bf16 stays bf16: a bf16 GEMM (oneDNN; fp32 accumulation inside, each output rounded to bf16) runs at 2-3x
+    the fp32 rate on CPUs with AVX512-BF16 or AMX, and is what eager bf16 / autocast runs. fp16 is upcast (CPUs
+    have no fast fp16 GEMM, and fp16 dz would underflow); fp32 and fp64 run as they are.
+    """
+    return torch.bfloat16 if dtype == torch.bfloat16 else _compute_dtype(dtype)
+
+
+def _tile_logits(h_rows, w_tile, temperature, z_out, mm_out):
+    """z = h_rows @ w_tile.T / temperature for one tile, into z_out [n, vc] at the statistics dtype.
+
+    mm_out None (operands at the statistics dtype): h_rows comes already divided by the temperature (one pass
+    over [n, H] rather than [n, vc]) and the product goes straight to z_out. mm_out [n, vc] bf16 (bf16 operands):
+    the bf16 GEMM writes there, each logit rounded to bf16 (|error| <= 2^-8 |z|, the rounding eager bf16 and
+    autocast give their logits too), then z_out = that / T in fp32 (dividing hidden first would round hidden / T
+    to bf16 as well; torch.div(bf16, T, out=fp32) would round the quotient to bf16 before widening it).
+    """
+    if mm_out is None:
+        return torch.mm(h_rows, w_tile.T, out=z_out)
+    z_out.copy_(torch.mm(h_rows, w_tile.T, out=mm_out))
+    return z_out.div_(temperature) if temperature != 1.0 else z_out
+
+
+def _add_widened(total, part, scratch):
+    """total += part for an fp32 total and a bf16 part [rows, cols], widened block by block into scratch.
+
+    scratch: a free fp32 buffer (flat, any size >= one row). A plain mixed-dtype add_ first widens part into a
+    fresh fp32 temporary as large as part (for a [V, H] gradient, page faults costing several times the add);
+    blocks as large as the scratch keep the number of ops (each a thread-pool synchronisation) small.
+    """
+    rows = max(1, min(total.shape[0], scratch.numel() // max(1, total[0].numel())))
+    for r0 in range(0, total.shape[0], rows):
+        n = min(rows, total.shape[0] - r0)
+        total[r0:r0 + n].add_(scratch[: part[r0:r0 + n].numel()].view(part[r0:r0 + n].shape).copy_(part[r0:r0 + n]))
+
+
 def _fwd_torch(hidden, weight, labels, temperature, need_entropy=True):
     N, H = hidden.shape
     V = weight.shape[0]
-    acc = _compute_dtype(hidden.dtype)
-    h = hidden.to(acc)
-    if temperature != 1.0:
+    acc = _compute_dtype(hidden.dtype)  # the statistics' dtype: fp32 (fp64 for fp64 inputs)
+    mm_dtype = _torch_mm_dtype(hidden.dtype)
+    h = hidden.to(mm_dtype)
+    if temperature != 1.0 and mm_dtype == acc:
         h = h / temperature  # [N, H]: dividing the small operand saves a pass over every tile
     m = torch.full((N,), float("-inf"), device=hidden.device, dtype=acc)
     s, a, label_z = (torch.zeros((N,), device=hidden.device, dtype=acc) for _ in range(3))
     rows_per_tile, cols_per_tile = _tile_shape(N, V, TORCH_TILE_ELEMENTS)
     z_buf = torch.empty(rows_per_tile * cols_per_tile, device=hidden.device, dtype=acc)
     e_buf = torch.empty_like(z_buf)
+    # bf16 operands: the GEMM's bf16 output tile, widened into z_buf for the statistics
+    mm_buf = None if mm_dtype == acc else torch.empty_like(z_buf, dtype=mm_dtype)
     for v0 in range(0, V, cols_per_tile):
         v1 = min(v0 + cols_per_tile, V)
-        w_tile = weight[v0:v1].to(acc)  # [vc, H]
+        w_tile = weight[v0:v1].to(mm_dtype)  # [vc, H]
         for r0 in range(0, N, rows_per_tile):
             r1 = min(r0 + rows_per_tile, N)
             n, vc = r1 - r0, v1 - v0
-            z = torch.mm(h[r0:r1], w_tile.T, out=z_buf[: n * vc].view(n, vc))  # [n, vc] = z for this tile
+            z = _tile_logits(h[r0:r1], w_tile, temperature, z_buf[: n * vc].view(n, vc),
+                             None if mm_buf is None else mm_buf[: n * vc].view(n, vc))  # [n, vc] z for this tile
             local = labels[r0:r1] - v0
             _fold_tile(z, (m, s, a, label_z), slice(r0, r1), e_buf[: n * vc].view(n, vc), local,
                        (local >= 0) & (local < vc), need_entropy)
@@ -508,34 +557,56 @@ def _fwd_torch(hidden, weight, labels, temperature, need_entropy=True):
 
 
 def _bwd_torch(hidden, weight, labels, temperature, lse, entropy, grad_logprobs, grad_entropy, need_dh, need_dw):
+    """dhidden [N, H] (at the statistics dtype) and dweight [V, H] (weight's dtype) for the kept rows.
+
+    fp32 / fp64 operands: the tile matmuls run at that dtype, dhidden accumulates in fp64 (see below).
+    bf16 operands: dz / T (1/T folded into the per-row upstream gradients) rounded to bf16 feeds two bf16
+    GEMMs, whose outputs are rounded to bf16; they are summed in fp32 (dhidden over the V tiles, dweight over
+    the row tiles). This is eager bf16's rounding (autograd rounds d logits to bf16 for the matmul backward);
+    with one tile of each it is the same computation.
+    """
     N, H = hidden.shape
     V = weight.shape[0]
     acc = _compute_dtype(hidden.dtype)
-    h = hidden.to(acc)
-    if temperature != 1.0:
+    mm_dtype = _torch_mm_dtype(hidden.dtype)
+    low_precision = mm_dtype != acc
+    h = hidden.to(mm_dtype)
+    if temperature != 1.0 and not low_precision:
         h = h / temperature  # z = h @ W.T with h = hidden / T, so dW = dz.T @ h and dhidden = dz @ W / T
     g_logp = grad_logprobs.to(acc) if grad_logprobs is not None else None
     g_ent = grad_entropy.to(acc) if grad_entropy is not None else None
+    if temperature != 1.0 and low_precision:
+        # dz is linear in (g_logp, g_ent): scaled here, it is dloss/d(hidden @ W.T) = dloss/dz / T, and the GEMMs
+        # give dW = dz.T @ hidden, dhidden = dz @ W with no rounded result left to divide
+        g_logp = g_logp / temperature if g_logp is not None else None
+        g_ent = g_ent / temperature if g_ent is not None else None
     rows_per_tile, cols_per_tile = _tile_shape(N, V, TORCH_TILE_ELEMENTS)
     z_buf = torch.empty(rows_per_tile * cols_per_tile, device=hidden.device, dtype=acc)
     dz_buf = torch.empty_like(z_buf)
+    # bf16: the GEMM's output tile for z, then the bf16 copy of dz / T that feeds the two gradient GEMMs
+    mm_buf = torch.empty_like(z_buf, dtype=mm_dtype) if low_precision else None
     # dhidden sums dz @ W over every V tile, with heavy cancellation (each row of dz sums to ~0): accumulating
-    # the tiles in fp64 keeps that sum as accurate as one tile's product (one fp32 product over V: ~30x worse).
-    dh = torch.zeros((N, H), device=hidden.device, dtype=torch.float64) if need_dh else None
+    # the fp32 tiles in fp64 keeps that sum as accurate as one tile's product (one fp32 product over V: ~30x
+    # worse). bf16 products are rounded to bf16 (2^-8) before they are summed: fp32 is plenty there.
+    dh = torch.zeros((N, H), device=hidden.device, dtype=acc if low_precision else torch.float64) if need_dh else None
     if N == 0:  # every row ignored
         return dh, torch.zeros_like(weight) if need_dw else None
-    dh_tile = torch.empty((rows_per_tile, H), device=hidden.device, dtype=acc) if need_dh else None
+    dh_tile = torch.empty((rows_per_tile, H), device=hidden.device, dtype=mm_dtype) if need_dh else None
     dw = torch.empty((V, H), device=weight.device, dtype=weight.dtype) if need_dw else None
-    # With one row tile each dW row block is written once, straight into dw when the dtypes agree.
-    direct_dw = rows_per_tile >= N and weight.dtype == acc
+    # With one row tile each dW row block is written once, straight into dw when the dtypes agree; otherwise the
+    # row tiles' products are summed in a slab at the statistics dtype.
+    direct_dw = rows_per_tile >= N and weight.dtype == mm_dtype
     dw_slab = None if (direct_dw or not need_dw) else torch.empty((cols_per_tile, H), device=weight.device, dtype=acc)
+    dw_tile = torch.empty((cols_per_tile, H), device=weight.device, dtype=mm_dtype) if (
+        need_dw and low_precision and not direct_dw) else None  # a bf16 product before it joins the slab
     for v0 in range(0, V, cols_per_tile):
         v1 = min(v0 + cols_per_tile, V)
-        w_tile = weight[v0:v1].to(acc)  # [vc, H]
+        w_tile = weight[v0:v1].to(mm_dtype)  # [vc, H]
         for r0 in range(0, N, rows_per_tile):
             r1 = min(r0 + rows_per_tile, N)
             n, vc = r1 - r0, v1 - v0
-            logp = torch.mm(h[r0:r1], w_tile.T, out=z_buf[: n * vc].view(n, vc))  # [n, vc] = z
+            mm_out = mm_buf[: n * vc].view(n, vc) if low_precision else None
+            logp = _tile_logits(h[r0:r1], w_tile, temperature, z_buf[: n * vc].view(n, vc), mm_out)  # [n, vc] z
             logp.sub_(lse[r0:r1].unsqueeze(1))  # log p
             dz = torch.exp(logp, out=dz_buf[: n * vc].view(n, vc))  # p, turned into dloss/dz in place
             if g_ent is not None:
@@ -551,17 +622,25 @@ def _bwd_torch(hidden, weight, labels, temperature, lse, entropy, grad_logprobs,
                 local = labels[r0:r1] - v0
                 hit = ((local >= 0) & (local < vc)).nonzero().squeeze(1)
                 dz.index_put_((hit, local[hit]), g_logp[r0:r1][hit], accumulate=True)
+            if low_precision:
+                dz = mm_out.copy_(dz)  # [n, vc] bf16: the gradient GEMMs' operand
             if need_dh:
                 dh[r0:r1] += torch.mm(dz, w_tile, out=dh_tile[:n])  # [n, H]
-            if need_dw:
-                target = dw[v0:v1] if direct_dw else dw_slab[:vc]
+            if need_dw and direct_dw:
+                torch.mm(dz.T, h[r0:r1], out=dw[v0:v1])  # [vc, H]
+            elif need_dw and low_precision:  # each row tile's bf16 product, summed in the fp32 slab
+                product = torch.mm(dz.T, h[r0:r1], out=dw_tile[:vc])  # [vc, H]
                 if r0 == 0:
-                    torch.mm(dz.T, h[r0:r1], out=target)  # [vc, H]
+                    dw_slab[:vc].copy_(product)
                 else:
-                    target.addmm_(dz.T, h[r0:r1])
+                    _add_widened(dw_slab[:vc], product, scratch=dz_buf)  # dz_buf is free: dz is in mm_out
+            elif need_dw and r0 == 0:
+                torch.mm(dz.T, h[r0:r1], out=dw_slab[:vc])  # [vc, H]
+            elif need_dw:
+                dw_slab[:vc].addmm_(dz.T, h[r0:r1])
         if need_dw and not direct_dw:
             dw[v0:v1] = dw_slab[: v1 - v0]
-    if need_dh and temperature != 1.0:
+    if need_dh and temperature != 1.0 and not low_precision:
         dh.div_(temperature)
     return (dh.to(acc) if need_dh else None), dw
 

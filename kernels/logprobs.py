@@ -286,10 +286,11 @@ def _fwd_torch(logits, labels, temperature, need_entropy=True):
         chunk_labels = labels[rows]
         ignored = chunk_labels == IGNORE_INDEX
         z = z_buf[: n * V].view(n, V)  # [n, V]
-        if temperature != 1.0 or chunk.dtype != acc:
+        if chunk.dtype != acc:
+            chunk = z.copy_(chunk)  # bf16 / fp16 logits widened into the buffer: no [n, V] temporary
+        if temperature != 1.0:
             # divide (not multiply by 1/T) to round exactly as the reference does
-            torch.div(chunk.to(acc), temperature, out=z) if chunk.dtype != acc else torch.div(chunk, temperature, out=z)
-            chunk = z
+            chunk = torch.div(chunk, temperature, out=z)
         m = chunk.amax(-1, keepdim=True)  # [n, 1]
         m = m.masked_fill(m == float("-inf"), 0.0)  # all -inf row: shift by 0, not -inf
         label_z = chunk.gather(-1, chunk_labels.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1) - m.squeeze(-1)
@@ -326,11 +327,11 @@ def _bwd_torch(logits, labels, temperature, lse, entropy, grad_logprobs, grad_en
     for rows, chunk in _row_chunks(rows3d, rows_per_chunk):
         n = chunk.shape[0]
         logp = dlogits[rows] if in_place else z_buf[: n * V].view(n, V)  # [n, V]
-        if temperature != 1.0 or chunk.dtype != acc:
-            torch.div(chunk.to(acc), temperature, out=logp)
-            logp.sub_(lse[rows].to(acc).unsqueeze(-1))
-        else:
-            torch.sub(chunk, lse[rows].unsqueeze(-1), out=logp)  # log p
+        if chunk.dtype != acc:
+            chunk = logp.copy_(chunk)  # bf16 / fp16 logits widened into the buffer: no [n, V] temporary
+        if temperature != 1.0:
+            chunk = torch.div(chunk, temperature, out=logp)
+        torch.sub(chunk, lse[rows].to(acc).unsqueeze(-1), out=logp)  # log p
         if g_ent is not None:
             p = torch.exp(logp, out=p_buf[: n * V].view(n, V))
             # dz = -p * (g_logp + g_ent * (log p + H))   [+ g_logp at the label, below]

@@ -38,10 +38,13 @@ In this file:
     entropies (logprobs.py's forward kernel) and into dloss/dz (`_loss_dz_kernel`, the entropy term under its
     constexpr HAS_ENTROPY; written in the operands' dtype so the two gradient GEMMs run at full rate). dweight
     is summed over the chunks of rows in an fp32 [V, H] accumulator, in a fixed order.
-    Temperature: the torch path scales h by 1/T before its matmul, the Triton path divides the fp32 logits
-    by T in its row kernels, as the reference does. Under autocast, fp32 hidden / weight are cast to the
-    autocast dtype (`linear_logprobs._autocast_operands`), so the kernels see bf16; the gradients, formed in fp32 accumulators,
-    go to the caller's fp32 tensors without being rounded to bf16 on the way.
+    Temperature: the torch path scales h by 1/T before its matmul (fp32 / fp64 operands), the Triton path
+    and the torch path on bf16 operands divide the fp32 logits by T, as the reference does. Under autocast,
+    fp32 hidden / weight are cast to the autocast dtype (`linear_logprobs._autocast_operands`), so the kernels
+    see bf16; the gradients, formed in fp32 accumulators, go to the caller's fp32 tensors without being rounded
+    to bf16 on the way. On the torch path bf16 operands give bf16 GEMMs (the CPU's fast path), whose outputs
+    (logits, and each tile's gradient products before their fp32 sum) are rounded to bf16, as eager bf16's are;
+    the statistics, the loss and its per-token gradient stay fp32 (tests/test_kernels_bf16.py).
 """
 import torch
 
@@ -59,7 +62,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # |log r| and |x| of k3 are clamped here (exp(20) ~ 4.9e8: finite in fp32)
 K3_CLAMP = 10.0  # k3 is clamped to [-K3_CLAMP, K3_CLAMP] (verl's low_var_kl); k3 >= 0, so only the top binds
-# Elements in the [rows, V] logits buffer of linear_policy_loss's torch path (fp32: 128 MiB).
+# Elements in the [rows, V] logits buffer of linear_policy_loss's torch path (fp32: 128 MiB; bf16 operands add a
+# bf16 one, 64 MiB, for the GEMMs' output and dz).
 TORCH_LOSS_TILE_ELEMENTS = 1 << 25
 DH_BLOCK = 8192  # vocabulary columns per fp32 product in dhidden's fp64 accumulation
 # Elements in the [rows, V] fp32 logits chunk of linear_policy_loss's Triton path (256 MiB, plus a bf16 dz chunk
@@ -417,27 +421,45 @@ def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_gra
     token_grad_fn(rows, logp_rows) -> dloss/dlogp for those rows (the loss is elementwise in logp).
     entropy_grad: [Nk] dloss/dH per row (the entropy bonus's -entropy_coef * w_t), or None: no entropy term.
     Returns logp [Nk], dhidden [Nk, H], dweight [V, H] and entropy [Nk] (None without entropy_grad), all in the
-    compute dtype.
+    compute dtype (fp32; fp64 for fp64 inputs).
+
+    The matmuls run at linear_logprobs._torch_mm_dtype: bf16 operands give bf16 GEMMs, whose outputs are rounded
+    to bf16 (the logits, widened to fp32 for the statistics; dhidden, one GEMM over V per row tile; dweight, one
+    per row tile, summed over them in fp32), and dz / T (1/T folded into g) is rounded to bf16 to feed them, as
+    eager bf16's autograd rounds d logits. Everything else (max, sum-exp, log-probs, entropy, the loss, g) is fp32.
     """
     Nk, H = h_kept.shape
     V = weight.shape[0]
     acc = _compute_dtype(h_kept.dtype)
-    h = h_kept.to(acc)
-    if temperature != 1.0:
+    mm_dtype = _linear._torch_mm_dtype(h_kept.dtype)
+    low_precision = mm_dtype != acc  # bf16 GEMMs, fp32 statistics
+    h = h_kept.to(mm_dtype)
+    if temperature != 1.0 and not low_precision:
         h = h / temperature  # z = h @ W.T with h = hidden / T: dW = dz.T @ h, dhidden = dz @ W / T
-    w = weight.to(acc)
+    w = weight.to(mm_dtype)
     logp = torch.empty(Nk, device=h.device, dtype=acc)
     entropy = torch.empty(Nk, device=h.device, dtype=acc) if entropy_grad is not None else None
     dh = torch.empty((Nk, H), device=h.device, dtype=acc) if need_dh else None
-    dw = torch.zeros((V, H), device=h.device, dtype=acc) if need_dw else None
-    rows_per_tile = max(1, min(Nk, TORCH_LOSS_TILE_ELEMENTS // max(V, 1)))
+    # fp32 products accumulate with addmm_ (onto zeros); bf16 ones are copied in (first row tile) or added
+    # (zeros also when no row is kept: a process whose micro-batch has no token in the loss returns dW = 0)
+    dw = (torch.empty if low_precision and Nk > 0 else torch.zeros)((V, H), device=h.device, dtype=acc) if need_dw else None
+    # rows per tile: at most TORCH_LOSS_TILE_ELEMENTS // V, balanced (1024 rows in tiles of <= 341 are 4 x 256, not
+    # 3 x 341 + 1: a 1-row tile costs a whole dW accumulation)
+    n_tiles = -(-Nk // max(1, TORCH_LOSS_TILE_ELEMENTS // max(V, 1)))
+    rows_per_tile = max(1, -(-Nk // max(1, n_tiles)))
     buf = torch.empty(rows_per_tile * V, device=h.device, dtype=acc)
     # the entropy term needs z - m and exp(z - m) at once: a second buffer
     e_buf = torch.empty_like(buf) if entropy_grad is not None else None
+    # bf16: the logits GEMM's output (widened into buf), then dz / T in bf16 for the gradient GEMMs; dW's bf16
+    # product of each row tile before it joins the fp32 sum
+    mm_buf = torch.empty_like(buf, dtype=mm_dtype) if low_precision else None
+    dw_tile = torch.empty((V, H), device=h.device, dtype=mm_dtype) if need_dw and low_precision else None
     for r0 in range(0, Nk, rows_per_tile):
         r1 = min(r0 + rows_per_tile, Nk)
         n, rows = r1 - r0, slice(r0, r1)
-        z = torch.mm(h[rows], w.T, out=buf[: n * V].view(n, V))  # [n, V], the only [*, V] buffer without entropy
+        mm_out = mm_buf[: n * V].view(n, V) if low_precision else None
+        # [n, V] z, the only [*, V] buffer without entropy
+        z = _linear._tile_logits(h[rows], w, temperature, buf[: n * V].view(n, V), mm_out)
         m = z.amax(1)
         label_z = z.gather(1, labels_kept[rows].unsqueeze(1)).squeeze(1)
         if entropy_grad is None:
@@ -445,6 +467,8 @@ def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_gra
             s = e.sum(1)
             logp[rows] = (label_z - m) - torch.log(s)
             g = token_grad_fn(rows, logp[rows])  # [n] dloss/dlogp
+            if low_precision and temperature != 1.0:
+                g = g / temperature  # dz / T below: dloss/d(h W^T), what the bf16 GEMMs take
             # dloss/dz = g (onehot(label) - p),  p = e / s
             dz = e.mul_((-g / s).unsqueeze(1))
         else:
@@ -458,20 +482,32 @@ def _linear_loss_grads_torch(h_kept, weight, labels_kept, temperature, token_gra
             entropy[rows] = log_s - torch.bmm(e.unsqueeze(1), z_m.unsqueeze(2)).view(n) / s
             g = token_grad_fn(rows, logp[rows])  # [n] dloss/dlogp
             g_entropy = entropy_grad[rows].to(acc)  # [n] dloss/dH
+            if low_precision and temperature != 1.0:
+                g, g_entropy = g / temperature, g_entropy / temperature  # dz / T below, as above
             # dloss/dz = g (onehot(label) - p) + g_H dH/dz,  dH/dz_v = -p_v (log p_v + H),  log p_v = z_v - m - log s
             #          = p (-g - g_H (log p + H)) + g onehot(label),   p = e / s
             dz = z_m.sub_((log_s - entropy[rows]).unsqueeze(1)).mul_(-g_entropy.unsqueeze(1))
             dz = dz.sub_(g.unsqueeze(1)).mul_(e).div_(s.unsqueeze(1))
         dz[torch.arange(n, device=h.device), labels_kept[rows]] += g
-        if need_dh:
-            # dz @ W over blocks of V, accumulated in fp64: the terms cancel (see linear_logprobs._tile_shape)
+        if low_precision:
+            dz = mm_out.copy_(dz)  # [n, V] bf16
+        if need_dh and low_precision:
+            dh[rows] = torch.mm(dz, w)  # [n, H]: one bf16 GEMM (fp32 inside, rounded once), as eager bf16's
+        elif need_dh:
+            # dz @ W over blocks of V, summed in fp64: the terms cancel (see linear_logprobs._tile_shape)
             dh_rows = torch.zeros((n, H), device=h.device, dtype=torch.float64)
             for v0 in range(0, V, DH_BLOCK):
                 dh_rows += torch.mm(dz[:, v0:v0 + DH_BLOCK], w[v0:v0 + DH_BLOCK])
             dh[rows] = dh_rows
-        if need_dw:
+        if need_dw and low_precision:
+            product = torch.mm(dz.T, h[rows], out=dw_tile)  # [V, H] bf16
+            if r0 == 0:
+                dw.copy_(product)
+            else:  # summed over the row tiles in fp32 (buf is free: dz is in mm_out)
+                _linear._add_widened(dw, product, scratch=buf)
+        elif need_dw:
             dw.addmm_(dz.T, h[rows])  # [V, H]
-    if need_dh and temperature != 1.0:
+    if need_dh and temperature != 1.0 and not low_precision:
         dh.div_(temperature)
     return logp, dh, dw, entropy
 
