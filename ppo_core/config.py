@@ -244,7 +244,17 @@ class PPOConfig:
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
     dtype: str = "auto"
-    """Parameter dtype: 'auto' (fp32 on CPU; on GPU fp32 master weights with bf16 autocast), 'float32', 'bfloat16'."""
+    """Precision. 'bf16-mixed': fp32 master weights, the matmuls under bf16 autocast (decoding reads bf16 weight
+    copies), log-softmax, losses, GAE and the optimizer in fp32; attention and the KV cache in bf16 on a GPU, in fp32
+    on the CPU (where torch's bf16 attention is the slower: bench/cpu_precision.py). 'float32': everything
+    fp32. 'auto': bf16-mixed where bf16 matmuls are fast (CUDA; CPUs with AMX or AVX512-BF16, detected and written
+    to the run's config.json and log), else float32. 'bfloat16': the parameters themselves in bf16 (no fp32 master
+    copy; for memory-bound experiments only)."""
+    old_logprobs_from_rollout: bool = False
+    """Take the old log-probs (and the entropy metric) from the decoding pass instead of a separate forward of the
+    policy over the sampled responses: one forward fewer per iteration, but the decode step's rounding (KV cache,
+    one token at a time, packed or bf16 weights) differs from the training forward's, so the first minibatch's ratio
+    is no longer exactly 1 (reported as policy/first_ratio_max_dev). False = recompute them exactly."""
     fused_kernels: bool = True
     """Use ppo_kernels' fused paths: LM head + log-probs for the old/reference log-probs, LM head + clipped loss
     for the update. False = the plain torch reference (full logits, log_softmax + gather, ppo_core.algo)."""
@@ -267,6 +277,7 @@ class PPOConfig:
 
 FIELDS = {f.name: f for f in fields(PPOConfig)}
 PATH_FIELDS = ("policy", "reference", "critic", "reward_model", "judge", "prompts_file", "eval_prompts_file", "out")
+DTYPES = ("auto", "float32", "bf16-mixed", "bfloat16")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the other responses to the prompt
@@ -413,7 +424,7 @@ def validate(cfg: PPOConfig):
          "filters the sampling distribution, but log-probs, ratio and KL are of the unfiltered one; "
          "set allow_filtered_sampling=true to train so anyway")
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
-    need(cfg.dtype in ("auto", "float32", "bfloat16"), "dtype", "must be auto, float32 or bfloat16")
+    need(cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
     need(cfg.parallel in ("ddp", "fsdp"), "parallel", "must be ddp or fsdp")
     need(cfg.lora_rank >= 0, "lora_rank", "must be >= 0")
     need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")

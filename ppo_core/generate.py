@@ -21,18 +21,21 @@ row per step, in one of two ways (the same tokens, tests/test_generate.py):
       only, with no mask unless the prompt had padding: less attention work while the cache is mostly empty
       (on 2 CPU cores: as fast as the static step at 32 prompt + 64 new tokens, 7% faster at 32 + 512).
 
-Precision: under a CUDA autocast region (the trainer's dtype='auto' on a GPU) the matmuls read bf16 copies of
-the weights (autocast's cast cache holds one per parameter for the region) and the KV cache is kept in the autocast
-dtype: half the bytes per decoded token of fp32. Otherwise the cache takes the parameters' dtype.
+Precision: under an autocast region (the trainer's dtype='bf16-mixed', or 'auto' on a GPU or a CPU with AMX or
+AVX512-BF16) the matmuls read bf16 copies of the weights (on CUDA autocast's cast cache holds one per parameter
+for the region; on the CPU the packed copies below are bf16). On a GPU the KV cache is kept in the autocast
+dtype (half the bytes per decoded token of fp32); under CPU autocast it is float32, the dtype attention computes
+in there (model.attention: torch's bf16 CPU attention is the slower one); otherwise the parameters' dtype.
 
 Speed on the CPU: float32 models multiply with oneDNN-packed weight copies for the duration of the call
-(`cpu_packed_weights`, about 2x faster than MKL's sgemm at these batch sizes). bench/generate.py measures it.
+(`cpu_packed_weights`, about 2x faster than MKL's sgemm at these batch sizes; packed in bf16 under CPU autocast).
+bench/generate.py measures it.
 """
 from contextlib import nullcontext
 
 import torch
 
-from .model import CausalLM, KVCache, can_pack_for_cpu, cpu_packed_linears
+from .model import CausalLM, KVCache, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
 
 
 def sample_from_probs(probs, uniforms):
@@ -130,6 +133,7 @@ def generate(
     eos_token_id=None,
     pad_token_id=None,
     return_logprobs=False,
+    return_entropy=False,
     generator=None,
     cpu_packed_weights=None,
     global_rows=None,
@@ -142,7 +146,9 @@ def generate(
     Returns tokens [B, max_new_tokens] int64, or (tokens, logprobs [B, max_new_tokens] float32) where
     logprobs are log softmax(logits / temperature) of the chosen token before top-k/top-p filtering
     (0 after EOS). The PPO loop does not use them as old log-probs: it recomputes those with the
-    training code path so that the first ratio is exactly 1.
+    training code path so that the first ratio is exactly 1, unless the run sets old_logprobs_from_rollout.
+    return_entropy (with return_logprobs): also the entropy [B, max_new_tokens] float32 of that distribution
+    (0 after EOS): -> (tokens, logprobs, entropy).
 
     cpu_packed_weights: multiply with oneDNN-packed weight copies while generating (model.cpu_packed_linears):
     ~2x faster decoding on the CPU, same tokens, a second copy of the weights for the duration of the call.
@@ -168,10 +174,12 @@ def generate(
         stop_at_eos = False
     pad = pad_token_id if pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     eos_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)  # [E], made once for torch.isin below
-    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        cache_dtype = torch.get_autocast_dtype("cuda")  # k, v come out of autocast's matmuls in this dtype
+    # under autocast, k, v come out of autocast's matmuls in its dtype: the cache keeps them so on a GPU; under CPU
+    # autocast attention computes in float32 (model.attention), so the cache is float32 (no per-step upcast of it)
+    if device.type == "cpu" and autocast_dtype("cpu"):
+        cache_dtype = torch.float32
     else:
-        cache_dtype = next(model.parameters()).dtype
+        cache_dtype = autocast_dtype(device.type) or next(model.parameters()).dtype
     cache = KVCache(model.args, B, P + max_new_tokens, device, cache_dtype)
 
     if cpu_packed_weights is None:
@@ -187,6 +195,7 @@ def generate(
 
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+    entropy = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if return_entropy else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
     with cpu_packed_linears(model, B) if cpu_packed_weights else nullcontext():
         # Prefill: the whole prompt at once; only the last position needs logits.
@@ -214,6 +223,8 @@ def generate(
             if return_logprobs:
                 lp = torch.log_softmax(logits / (1.0 if greedy else temperature), -1)
                 logprobs[:, t] = lp.gather(-1, next_tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
+                if return_entropy:
+                    entropy[:, t] = -(lp.exp() * lp).sum(-1).masked_fill(done, 0.0)
             tokens[:, t] = next_tok.masked_fill(done, pad)
             if stop_at_eos:  # outside the decode step (and its CUDA graph): an eager isin against [E] ids
                 done = done | torch.isin(next_tok, eos_ids)
@@ -221,4 +232,6 @@ def generate(
                     break
             if t + 1 < max_new_tokens:
                 logits = decode(next_tok[:, None])  # [B, 1, V]
+    if return_entropy and return_logprobs:
+        return tokens, logprobs, entropy
     return (tokens, logprobs) if return_logprobs else tokens

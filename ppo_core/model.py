@@ -291,8 +291,9 @@ def rope_inv_freq(p: dict, head_dim: int, max_position_embeddings: int, nested: 
 
 
 def packed_linear(x, packed_weight, bias=None):
-    """x @ W.T + b with W in oneDNN's packed layout (from torch.ops.mkldnn._reorder_linear_weight)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """x @ W.T + b with W in oneDNN's packed layout (from torch.ops.mkldnn._reorder_linear_weight), computed in the
+    packed weight's dtype (bf16 copies packed under CPU autocast: x is cast as autocast would cast it)."""
+    return torch.ops.mkldnn._linear_pointwise(x.to(packed_weight.dtype), packed_weight, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
@@ -322,12 +323,15 @@ def cpu_packed_linears(model, batch_size):
     """Inside this block, the matmuls of `model` run on oneDNN-packed copies of its weights (packed for
     `batch_size` rows; any row count works), with q/k/v and gate/up each fused into one matmul (fewer, larger
     calls: less thread synchronisation per token). Costs a second copy of the weights while inside, and the
-    packing (~0.5 s per GB); the copies are dropped on exit, so weights updated by training are never stale."""
+    packing (~0.5 s per GB); the copies are dropped on exit, so weights updated by training are never stale.
+    Entered inside a CPU autocast region, the copies are in the autocast dtype (bf16: half the bytes, oneDNN's
+    bf16 kernels), so the packed matmuls compute as autocast's F.linear would."""
+    dtype = autocast_dtype("cpu") or next(model.parameters()).dtype
 
     def pack(*linears):
         weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
-        bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
-        return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size), bias
+        bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears]).to(dtype)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), batch_size), bias
 
     fused = set()
     try:
@@ -469,6 +473,9 @@ def causal_window_mask(q_times, k_times, real, window):
 _attention_paths = None  # a list while inside `record_attention_paths`
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
 def attention(q, k, v, attn_mask=None, is_causal=False):
     """softmax(q k^T / sqrt(hs), masked) v for q [B, nh, T, hs] and k, v [B, nkv, S, hs], where kv head j serves
     the query heads j*nh/nkv .. (j+1)*nh/nkv - 1 (GQA); attn_mask [B|1, 1, T, S] bool (True = may attend) or
@@ -487,7 +494,18 @@ def attention(q, k, v, attn_mask=None, is_causal=False):
                               [B, 1, 1, S] broadcasts over the rows (memory-efficient)
       "MHA shapes"            k, v repeated to nh heads (a copy): a mask with T > 1 (a left-padded prefill,
                               sliding-window layers shorter than the sequence, rows with holes in their padding),
-                              or float32 on CUDA without a mask (memory-efficient)"""
+                              or float32 on CUDA without a mask (memory-efficient)
+
+    Under CPU autocast (bf16-mixed) attention computes in float32, autocast off, whatever the dtype of q, k, v (the
+    result comes back in q's dtype): torch's CPU flash kernel in bf16 ran 1.4-4x slower than in fp32 on this
+    project's AVX512-BF16 CPU (forward + backward at the demo's and SmolLM2-135M's head shapes:
+    bench/cpu_precision.py), so bf16-mixed on the CPU keeps bf16 for the projections and fp32 for attention (and a
+    float32 KVCache: ppo_core.generate). A model whose parameters are bf16 (dtype='bfloat16', no autocast) attends
+    in bf16, as transformers does."""
+    if q.device.type == "cpu" and autocast_dtype("cpu"):
+        up = torch.float32 if q.dtype in HALF else q.dtype  # float64 stays float64
+        with torch.autocast("cpu", enabled=False):
+            return attention(q.to(up), k.to(up), v.to(up), attn_mask, is_causal).to(q.dtype)
     B, nh, T, hs = q.shape
     group = nh // k.shape[1]
     float32_cuda = q.is_cuda and _sdpa_dtype(q) == torch.float32
@@ -509,9 +527,16 @@ def attention(q, k, v, attn_mask=None, is_causal=False):
 
 
 def _sdpa_dtype(q):
-    """The dtype SDPA computes in: the autocast dtype inside a CUDA autocast region (SDPA is one of its
-    lower-precision ops), else q's."""
-    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    """The dtype SDPA computes in: the autocast dtype inside an autocast region of q's device (SDPA is one of its
+    lower-precision ops on CUDA and on the CPU), else q's."""
+    return autocast_dtype(q.device.type) or q.dtype
+
+
+def autocast_dtype(device_type):
+    """The autocast dtype while an autocast region of `device_type` ("cuda", "cpu") is active, else None."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 @contextmanager

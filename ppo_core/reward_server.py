@@ -57,7 +57,7 @@ import torch
 from .config import ConfigError, build_config, load_toml, parse_cli
 from .model import CheckpointError
 from .rewards import RewardError, make_reward_source
-from .train import resolve_device_dtype  # ppo-train's own choice of device, dtype and autocast
+from .train import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
 
 USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--config FILE.toml] [--KEY=VALUE ...]
 
@@ -299,10 +299,9 @@ def main(argv=None):
                               "its own reward source (reward_fn, reward_model or the task's reward)")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        device, dtype, use_autocast = resolve_device_dtype(cfg)
-        source = make_reward_source(cfg, torch.device(device), dtype)
-        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
-        batcher = Batcher(source, server_options["max_batch"], autocast)
+        precision = resolve_precision(cfg)
+        source = make_reward_source(cfg, torch.device(precision.device), precision.param_dtype)
+        batcher = Batcher(source, server_options["max_batch"], precision.autocast)
         name = describe(cfg)
         try:
             server = Server((server_options["host"], server_options["port"]),
@@ -313,6 +312,7 @@ def main(argv=None):
         print(f"ppo-serve-reward: error: {e}", file=sys.stderr)
         return 2
     host, port = server.server_address[:2]
+    print(f"precision: {precision_line(precision)}", file=sys.stderr, flush=True)
     print(f"serving {name} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()

@@ -116,6 +116,11 @@ def _continue_hint(path, saved: dict) -> str:
             + (f" --reference {reference}" if reference else "") + ")")
 
 
+def _read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def truncate_jsonl(path, step):
     """Keep the lines of a JSON-lines log (metrics.jsonl, samples.jsonl) whose "step" is <= step, replacing the file
     atomically (rank 0 only; a missing file is left missing)."""
@@ -134,9 +139,10 @@ def truncate_jsonl(path, step):
 class RunDir:
     """The run directory: created for a new run, re-opened (after checks) for a resumed one."""
 
-    def __init__(self, path, replaced=None):
+    def __init__(self, path, replaced=None, precision_changed=None):
         self.path = path
         self.replaced = replaced  # None, or a line for the log: open() replaced a run that never saved a checkpoint
+        self.precision_changed = precision_changed  # None, or a line for the log: resumed under another precision
 
     @staticmethod
     def saved_config(path) -> dict:
@@ -151,10 +157,12 @@ class RunDir:
             raise RunDirError(f"--resume: {cfg_file} is not a ppo-train run config") from None
 
     @classmethod
-    def open(cls, cfg, policy_path, resume_from=None):
+    def open(cls, cfg, policy_path, resume_from=None, precision=None):
         """The run directory of this run. Its path: resume_from, else cfg.out, else default_run_path().
 
-        A new directory gets config.json. One that already holds a config.json is:
+        A new directory gets config.json, with `precision` (train.Precision.describe(): how dtype='auto' resolved on
+        this machine) beside the config. A run resumed where it resolves differently is still the same run (the config
+        is), but not a bit-exact continuation: `precision_changed` then holds a line for the log. One that already holds a config.json is:
           - the same config (IGNORED_FOR_IDENTITY aside), not finished: re-opened; the loop continues from its
             latest checkpoint, if it has one (what `--resume` and a retried container do);
           - finished (summary.json): refused, with the arguments that train further from its last checkpoint;
@@ -170,7 +178,7 @@ class RunDir:
         resolved["policy"] = policy_path
         resolved["out"] = path
         cfg_file = os.path.join(path, "config.json")
-        replaced = None
+        replaced = precision_changed = None
         if os.path.isfile(cfg_file):
             # a key the saved config lacks (a field added by a later version) holds its default there
             saved = {**to_dict(PPOConfig()), **cls.saved_config(path)}
@@ -190,6 +198,10 @@ class RunDir:
             elif finished:
                 raise RunDirError(f"output directory {path} already holds a finished run; choose another --out"
                                   + _continue_hint(path, saved))
+            before = _read_json(cfg_file).get("precision")
+            if not differ and precision and before and before["matmuls"] != precision["matmuls"]:
+                precision_changed = (f"this run started with {before['matmuls']} matmuls ({before['why']}) and continues "
+                                     f"with {precision['matmuls']} ({precision['why']}): not a bit-exact continuation")
         elif resume_from:
             raise RunDirError(f"--resume: {path} holds no run (no config.json)")
         elif os.path.exists(os.path.join(path, "metrics.jsonl")):
@@ -198,6 +210,7 @@ class RunDir:
             os.makedirs(path, exist_ok=True)
             write_json(cfg_file, {
                 "config": resolved,
+                **({"precision": precision} if precision else {}),
                 "versions": _versions(),
                 "git_commit": _git_commit(),
                 "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
@@ -207,7 +220,7 @@ class RunDir:
                 os.remove(os.path.join(path, "metrics.jsonl"))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        run_dir = cls(path, replaced)
+        run_dir = cls(path, replaced, precision_changed)
         if is_rank0():
             checkpoint.clean_partial_saves(path)
         return run_dir

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ppo_core.train import DEMO_CHECKPOINT
 from test_resume import DRIVER
 
 ARGS = ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=4", "--ppo_epochs=1",
-        "--eval_size=8", "--progress=false", "--save_every=1"]
+        "--eval_size=8", "--progress=false", "--save_every=1", "--dtype=float32"]  # bf16: test_..._in_bf16 below
 WALL_CLOCK = ("time/", "tokens_per_s")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
@@ -60,6 +61,32 @@ def token_mean_runs(tmp_path_factory):
 def test_two_processes_match_one_token_mean(token_mean_runs):
     d, _ = token_mean_runs
     assert_same_run(d / "one", d / "two", step=2)
+
+
+def test_two_processes_match_one_in_bf16(tmp_path):
+    """bf16-mixed, DDP, one iteration of one optimizer step (the whole batch is the minibatch: every ratio is 1 up to
+    rounding). Each process multiplies its own rows (bf16 operands, fp32 accumulation, outputs rounded to bf16) and
+    a micro-batch's weight gradient leaves its bf16 GEMM rounded to bf16 before the fp32 sum, so 1 and 2 processes
+    differ where those roundings fall differently: the losses and gradient norms by bf16's relative 2^-8 at most.
+    The weights: Adam's first step is lr * g / |g| per element, so an element whose gradient sign the rounding flips
+    (a sum of terms that nearly cancel) moves the other way; the difference is held to 2^-4 of the update's norm
+    (measured: 2%)."""
+    args = [a.replace("--dtype=float32", "--dtype=bf16-mixed") for a in ARGS if not a.startswith("--minibatch_size")]
+    args += ["--minibatch_size=16", "--iterations=1"]
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], tmp_path)
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert "non-finite" not in double.stderr and "bfloat16 autocast" in double.stderr
+    start = load_file(os.path.join(DEMO_CHECKPOINT, "model.safetensors"))
+    a, b = weights(tmp_path / "one", 1), weights(tmp_path / "two", 1)
+    update = sum(((a[k] - start[k]) ** 2).sum() for k in a) ** 0.5
+    assert sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5 <= 2.0 ** -4 * update
+    (m1,), (m2,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert m1["train/skipped_updates"] == m2["train/skipped_updates"] == 0 and m1["train/steps"] == 1
+    for key in m1:
+        tol = 0.02 if key.endswith("clipfrac") else 1e-6  # clip fractions: one token of an 8-sequence minibatch
+        assert m1[key] == pytest.approx(m2[key], rel=2.0 ** -8, abs=tol), key
 
 
 def test_two_processes_match_one_seq_mean(tmp_path):

@@ -18,7 +18,7 @@ from test_resume import DRIVER
 RANK = 4
 ARGS = ["--iterations=2", "--save_every=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=8",
         "--micro_batch_size=8", "--ppo_epochs=1", "--progress=false", f"--lora_rank={RANK}", "--lora_alpha=8",
-        "--lr=2e-3"]
+        "--lr=2e-3", "--dtype=float32"]  # float32: the 2-process tolerances below are its rounding
 
 
 def trainer(args, cwd, script=("-m", "ppo_core.train")):

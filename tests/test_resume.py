@@ -69,7 +69,15 @@ def metrics(run_dir):
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
-    proc = run_trainer(ARGS + [f"--out={d / 'run'}"], cwd=d)
+    proc = run_trainer(ARGS + [f"--out={d / 'run'}", "--dtype=float32"], cwd=d)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def reference_run_bf16(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref_bf16")
+    proc = run_trainer(ARGS + [f"--out={d / 'run'}", "--dtype=bf16-mixed"], cwd=d)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return d / "run"
 
@@ -85,8 +93,18 @@ def final_weights(run_dir):
     ("pointer", 2),   # the 2nd save, complete on disk but `latest` not yet moved
 ])
 def test_kill_and_resume_is_identical(reference_run, tmp_path, where, n):
+    assert_kill_and_resume_is_identical(reference_run, tmp_path, where, n, "float32")
+
+
+@pytest.mark.parametrize("where, n", [("rollout", 4), ("update", 3)])
+def test_kill_and_resume_is_identical_in_bf16(reference_run_bf16, tmp_path, where, n):
+    """bf16-mixed on the same machine: the same oneDNN kernels on the same shapes, so still bit-exact."""
+    assert_kill_and_resume_is_identical(reference_run_bf16, tmp_path, where, n, "bf16-mixed")
+
+
+def assert_kill_and_resume_is_identical(reference_run, tmp_path, where, n, dtype):
     run_dir = tmp_path / "run"
-    killed = subprocess.run([sys.executable, "-c", DRIVER, where, str(n), *ARGS, f"--out={run_dir}"],
+    killed = subprocess.run([sys.executable, "-c", DRIVER, where, str(n), *ARGS, f"--dtype={dtype}", f"--out={run_dir}"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not (run_dir / "summary.json").exists()
@@ -104,10 +122,10 @@ def test_kill_and_resume_is_identical(reference_run, tmp_path, where, n):
 def test_automatic_resume_when_the_run_directory_has_a_checkpoint(reference_run, tmp_path):
     """What a retried Modal container does: the same command again, no --resume."""
     run_dir = tmp_path / "run"
-    killed = subprocess.run([sys.executable, "-c", DRIVER, "update", "5", *ARGS, f"--out={run_dir}"],
+    killed = subprocess.run([sys.executable, "-c", DRIVER, "update", "5", *ARGS, "--dtype=float32", f"--out={run_dir}"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert killed.returncode == -signal.SIGKILL
-    again = run_trainer(ARGS + [f"--out={run_dir}"], cwd=tmp_path)
+    again = run_trainer(ARGS + ["--dtype=float32", f"--out={run_dir}"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert metrics(run_dir) == metrics(reference_run) and final_weights(run_dir) == final_weights(reference_run)
 

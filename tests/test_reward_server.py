@@ -23,7 +23,7 @@ from ppo_core.model import load_score_model
 from ppo_core.remote_reward import RemoteReward
 from ppo_core.rewards import RewardError, make_reward_source
 from ppo_core.tasks import eval_prompts
-from ppo_core.train import DEMO_CHECKPOINT
+from ppo_core.train import DEMO_CHECKPOINT, resolve_precision
 from random_weights import randomize
 
 ANSWERS = '''
@@ -118,9 +118,13 @@ def test_scores_over_http_equal_the_in_process_source(servers):
     assert all(torch.equal(got_metrics[k], want_metrics[k]) for k in want_metrics)
     # the values themselves, by hand: right = 1 + 0.5, empty = 0
     assert got[0].item() == 1.5 and got[2].item() == 0.0
-    # a reward model: no metrics, the scores of the model in this process
-    local = make_reward_source(build_config(overrides={"reward_model": str(d / "rm")}))
-    (want, _), (got, got_metrics) = local(prompts, responses), RemoteReward([urls["model"]], 30, 0)(prompts, responses)
+    # a reward model: no metrics, the scores of the model in this process under the precision ppo-train would choose
+    # (dtype='auto': bf16 autocast on a CPU with AMX or AVX512-BF16), the server's own
+    cfg = build_config(overrides={"reward_model": str(d / "rm")})
+    local = make_reward_source(cfg)
+    with resolve_precision(cfg).autocast():
+        want, _ = local(prompts, responses)
+    got, got_metrics = RemoteReward([urls["model"]], 30, 0)(prompts, responses)
     assert torch.equal(got, want) and got_metrics == {} and got.std() > 0.1
 
 

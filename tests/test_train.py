@@ -30,11 +30,15 @@ def strip_wall_clock(rows):
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The default job as `ppo-train` runs it (all defaults, on the CPU: see first_ratio_max_dev below), into a fresh run directory."""
+PRECISIONS = ["float32", "bf16-mixed"]  # dtype='auto' is one of them, by the CPU (tests/test_precision.py)
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def default_run(tmp_path_factory, request):
+    """The default job as `ppo-train` runs it (all defaults, on the CPU: see first_ratio_max_dev below), into a fresh run
+    directory, in each precision."""
     run_dir = tmp_path_factory.mktemp("default") / "run"
-    proc = ppo_train(f"--out={run_dir}", "--device=cpu", cwd=ROOT)
+    proc = ppo_train(f"--out={run_dir}", "--device=cpu", f"--dtype={request.param}", cwd=ROOT)
     return run_dir, proc
 
 
@@ -51,18 +55,23 @@ def test_default_job_improves_held_out_reward(default_run):
 
 
 def test_run_directory_contents(default_run):
-    run_dir, _ = default_run
+    run_dir, proc = default_run
     with open(run_dir / "config.json") as f:
         cfg = json.load(f)
     assert cfg["config"]["policy"] == DEMO_CHECKPOINT and cfg["config"]["lr"] == 5e-4
     assert cfg["versions"]["torch"] == torch.__version__ and "git_commit" in cfg
+    dtype = cfg["config"]["dtype"]
+    matmuls = {"float32": "float32", "bf16-mixed": "bfloat16"}[dtype]
+    assert cfg["precision"] == {"device": "cpu", "weights": "float32", "matmuls": matmuls, "why": f"dtype='{dtype}'"}
+    assert f"precision: float32 {'throughout' if dtype == 'float32' else 'weights, bfloat16 autocast'}" in proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 61))
     for key in ("reward/mean", "kl/mean", "entropy/mean", "policy/clipfrac", "policy/approx_kl", "value/loss",
                 "value/explained_var", "response/length_mean", "time/rollout_s", "time/train_s", "tokens_per_s"):
         assert all(isinstance(r[key], float) for r in rows), key
-    # old log-probs come from the training code path: the first minibatch's ratio is exactly 1 on the CPU
-    # (on a GPU, kernels picked by batch shape make it ~1e-3 off under bf16)
+    # old log-probs come from the training code path: the first minibatch's ratio is exactly 1 on the CPU, in bf16 too
+    # (the same oneDNN kernels for the same micro-batch shape; on a GPU, kernels picked by batch shape make it ~1e-3
+    # off under bf16)
     assert all(r["policy/first_ratio_max_dev"] == 0.0 for r in rows)  # on the CPU only (the job runs --device=cpu)
     ckpt = run_dir / "checkpoints" / "step-60"
     policy = ppo_core.load_model(str(ckpt))
@@ -80,8 +89,9 @@ def test_plot_run_writes_a_png(default_run, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_same_seed_same_metrics(tmp_path):
-    args = ("--iterations=2", "--eval_size=16", "--rollout_batch_size=32", "--seed=3")
+@pytest.mark.parametrize("dtype", PRECISIONS)
+def test_same_seed_same_metrics(tmp_path, dtype):
+    args = ("--iterations=2", "--eval_size=16", "--rollout_batch_size=32", "--seed=3", f"--dtype={dtype}")
     ppo_train(*args, f"--out={tmp_path / 'a'}", cwd=tmp_path)
     ppo_train(*args, f"--out={tmp_path / 'b'}", cwd=tmp_path)
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
@@ -91,7 +101,8 @@ def test_same_seed_same_metrics(tmp_path):
     assert {k: v for k, v in sa.items() if k not in ("time/total_s", "checkpoint")} == \
            {k: v for k, v in sb.items() if k not in ("time/total_s", "checkpoint")}
     # a different seed is a different run
-    ppo_train("--iterations=1", "--eval_size=16", "--rollout_batch_size=32", "--seed=4", f"--out={tmp_path / 'c'}", cwd=tmp_path)
+    ppo_train("--iterations=1", "--eval_size=16", "--rollout_batch_size=32", "--seed=4", f"--dtype={dtype}",
+              f"--out={tmp_path / 'c'}", cwd=tmp_path)
     assert read_metrics(tmp_path / "c")[0]["reward/mean"] != a[0]["reward/mean"]
 
 
@@ -100,7 +111,7 @@ def test_fused_and_reference_paths_agree(tmp_path, variant):
     """The fused paths (linear_token_logprobs for old/reference log-probs, linear_policy_loss for the update,
     with the KL term fused in for the second variant) and the plain reference (full logits, log_softmax +
     gather, ppo_core.algo) give the same run."""
-    args = ("--iterations=2", "--eval_size=32", "--ppo_epochs=2", *variant)
+    args = ("--iterations=2", "--eval_size=32", "--ppo_epochs=2", "--dtype=float32", *variant)
     ppo_train(*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}", cwd=tmp_path)
     ppo_train(*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}", cwd=tmp_path)
     fused, ref = strip_wall_clock(read_metrics(tmp_path / "fused")), strip_wall_clock(read_metrics(tmp_path / "ref"))
@@ -113,10 +124,31 @@ def test_fused_and_reference_paths_agree(tmp_path, variant):
             assert f[key] == pytest.approx(r[key], rel=1e-4, abs=tol), key
 
 
+@pytest.mark.parametrize("variant", [(), ("--kl_in_reward=false", "--kl_loss_kind=k3")])
+def test_fused_and_reference_paths_agree_in_bf16(tmp_path, variant):
+    """bf16-mixed: one iteration of two optimizer steps (the second with ratios away from 1), fused against the plain
+    reference. Both multiply bf16 operands into logits rounded to bf16 with fp32 log-softmax statistics; what may
+    differ is the order of fp32 sums (log-sum-exp over vocabulary tiles, gradient accumulation), far below bf16's
+    own rounding of 2^-8 relative, the tolerance. (Over several iterations the runs drift apart, as any two bf16 runs
+    whose rounding differs do: a different token sampled moves every later number.)"""
+    args = ("--iterations=1", "--eval_size=8", "--ppo_epochs=1", "--rollout_batch_size=32", "--minibatch_size=16",
+            "--micro_batch_size=16", "--dtype=bf16-mixed", *variant)
+    ppo_train(*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}", cwd=tmp_path)
+    ppo_train(*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}", cwd=tmp_path)
+    fused, ref = strip_wall_clock(read_metrics(tmp_path / "fused")), strip_wall_clock(read_metrics(tmp_path / "ref"))
+    assert len(fused) == len(ref) == 1 and fused[0].keys() == ref[0].keys() and fused[0]["train/steps"] == 2
+    assert fused[0]["policy/ratio_max_dev"] > 1e-3  # the second step saw the first step's update
+    for key in fused[0]:
+        tol = 0.006 if key.endswith("clipfrac") else 1e-6  # clip fractions: a token across the threshold, as above
+        assert fused[0][key] == pytest.approx(ref[0][key], rel=2.0 ** -8, abs=tol), key
+
+
 def test_existing_run_directory_is_refused(default_run, capsys):
     run_dir, _ = default_run
     before = (run_dir / "metrics.jsonl").read_bytes()
-    assert ppo_core.train.main([f"--out={run_dir}", "--device=cpu", "--iterations=1"]) == 2
+    with open(run_dir / "config.json") as f:
+        dtype = json.load(f)["config"]["dtype"]
+    assert ppo_core.train.main([f"--out={run_dir}", "--device=cpu", f"--dtype={dtype}", "--iterations=1"]) == 2
     assert "already holds a different run (config differs in: iterations)" in capsys.readouterr().err
     assert (run_dir / "metrics.jsonl").read_bytes() == before
 
