@@ -37,6 +37,8 @@ setup(
         "parquet": ["pyarrow>=14"],
         "tensorboard": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.17"],
+        # bench/e2e.py's other side: TRL 1.12 (the last TRL with PPOTrainer) and the libraries it was measured with
+        "bench": ["trl==1.12.0", "transformers==5.24.0", "accelerate==1.16.0", "datasets==5.2.0"],
     },
     entry_points={
         "console_scripts": [
