@@ -2,6 +2,7 @@
 
     pip install -e .            # the library and the `ppo-train` / `ppo-plan` commands
     pip install -e ".[test]"    # + pytest and transformers (used only as a reference in tests)
+    pip install -e ".[bench]"   # + TRL 1.12 and the libraries it runs with, for bench/e2e.py
 """
 from setuptools import setup
 
