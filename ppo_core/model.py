@@ -497,7 +497,7 @@ def attention(q, k, v, attn_mask=None, is_causal=False):
                               or float32 on CUDA without a mask (memory-efficient)
 
     Under CPU autocast (bf16-mixed) attention computes in float32, autocast off, whatever the dtype of q, k, v (the
-    result comes back in q's dtype): torch's CPU flash kernel in bf16 ran 1.4-4x slower than in fp32 on this
+    result comes back in q's dtype): torch's CPU flash kernel in bf16 ran 1.5-4.8x slower than in fp32 on this
     project's AVX512-BF16 CPU (forward + backward at the demo's and SmolLM2-135M's head shapes:
     bench/cpu_precision.py), so bf16-mixed on the CPU keeps bf16 for the projections and fp32 for attention (and a
     float32 KVCache: ppo_core.generate). A model whose parameters are bf16 (dtype='bfloat16', no autocast) attends
