@@ -22,10 +22,9 @@ the rows that decoded --new tokens none of which is EOS or pad (the table's "row
 
 Each side and precision runs in its own fresh process (same --threads: torch.set_num_threads on both sides), one
 warm-up iteration, then --iterations timed ones. The seconds of each iteration are split into
-  gen     decoding the rollout (ppo-core: metrics.jsonl's time/generate_s, else the time in
-          train.sample_responses; TRL: batch_generation);
+  gen     decoding the rollout (ppo-core: metrics.jsonl's time/generate_s; TRL: batch_generation);
   score   everything from the end of decoding to the first update forward: the reward model, the old / reference
-          log-probs, the values, rewards and GAE (ppo-core: time/score_s, else time/rollout_s - gen; TRL: the time
+          log-probs, the values, rewards and GAE (ppo-core: time/score_s; TRL: the time
           between batch_generation and the first forward of its PolicyAndValueWrapper);
   update  the PPO epochs (ppo-core: time/train_s; TRL: from that first forward to its per-iteration log call).
 "total s" is their sum (wall-clock); "CPU s" the process's CPU time over the same span (time.process_time, all
@@ -39,12 +38,10 @@ decoding fuses q/k/v into one packed matmul that does not call q_proj, while o_p
 libraries.) A bf16 row whose column reads fp32 did not run in bf16.
 
 Precisions. fp32: ppo-core dtype='float32'; TRL fp32 models, no mixed precision. bf16: ppo-core dtype='bf16-mixed'
-(fp32 master weights, bf16 autocast; 'auto' where that key does not exist yet); TRL with bf16=True and
-ACCELERATE_MIXED_PRECISION=bf16 in its environment: its PPOTrainer builds its own Accelerator, which reads the
+(fp32 master weights, bf16 autocast); TRL with bf16=True and ACCELERATE_MIXED_PRECISION=bf16 in its environment: its PPOTrainer builds its own Accelerator, which reads the
 precision from there; that wraps the update's forward in bf16 autocast, while decoding and the scoring forwards run
-on the unwrapped fp32 models (the o_proj column shows it). With ppo-core's old_logprobs_from_rollout config key
-present, a third row "ppo-core-rollout-lp" takes the old log-probs from decoding (TRL's way); the plain ppo-core
-row recomputes them exactly.
+on the unwrapped fp32 models (the o_proj column shows it). A third row, "ppo-core-rollout-lp", takes the old
+log-probs from decoding (old_logprobs_from_rollout, TRL's way); the plain ppo-core row recomputes them exactly.
 """
 import argparse
 import contextlib
@@ -236,7 +233,7 @@ def run_ppo_core(args, paths, precision, side):
     from ppo_core.config import PPOConfig
 
     probe, steps = DtypeProbe(), StepCounter()
-    state = {"in_iteration": False, "gen_s": 0.0, "rows": [0, 0], "per_iteration": []}
+    state = {"in_iteration": False, "rows": [0, 0], "per_iteration": []}
 
     real_build, real_sample, real_rollout, real_update = (train.build_models, train.sample_responses,
                                                           train.iteration_rollout, train.ppo_update)
@@ -256,10 +253,8 @@ def run_ppo_core(args, paths, precision, side):
 
     def sample_responses(*a, **k):
         probe.phase = "gen" if state["in_iteration"] else None
-        t0 = time.perf_counter()
         out = real_sample(*a, **k)
         if state["in_iteration"]:
-            state["gen_s"] += time.perf_counter() - t0
             probe.phase = "score"  # the reward model scores next, inside train.sample_and_score
         return out
 
@@ -271,7 +266,7 @@ def run_ppo_core(args, paths, precision, side):
         return sampled
 
     def iteration_rollout(*a, **k):
-        state.update(in_iteration=True, gen_s=0.0, rows=[0, 0], cpu_start=time.process_time())
+        state.update(in_iteration=True, rows=[0, 0], cpu_start=time.process_time())
         steps.take()
         return real_rollout(*a, **k)
 
@@ -282,7 +277,7 @@ def run_ppo_core(args, paths, precision, side):
         finally:
             probe.phase = None
             state["in_iteration"] = False
-            state["per_iteration"].append({"gen_s": state["gen_s"], "rows": list(state["rows"]), "steps": steps.take(),
+            state["per_iteration"].append({"rows": list(state["rows"]), "steps": steps.take(),
                                            "cpu_s": time.process_time() - state["cpu_start"]})
 
     train.build_models, train.make_reward_source = build_models, make_reward_source
@@ -290,8 +285,7 @@ def run_ppo_core(args, paths, precision, side):
     train.iteration_rollout, train.ppo_update = iteration_rollout, ppo_update
     runlog.RunDir.save_checkpoint = lambda self, step, **kwargs: None  # the final save measures the disk
 
-    dtypes = getattr(ppo_config, "DTYPES", ())
-    dtype = "float32" if precision == "fp32" else ("bf16-mixed" if "bf16-mixed" in dtypes else "auto")
+    dtype = "float32" if precision == "fp32" else "bf16-mixed"
     minibatch = args.batch // args.minibatches
     values = dict(policy=paths["policy"], reference=paths["policy"], critic=paths["critic"],
                   reward_model=paths["reward"], prompts_file=paths["prompts"], eval_prompts_file=paths["eval_prompts"],
@@ -314,13 +308,10 @@ def run_ppo_core(args, paths, precision, side):
         metrics = [json.loads(line) for line in f if line.strip()]
     iterations = []
     for m, mine in zip(metrics, state["per_iteration"]):
-        gen = m.get("time/generate_s", mine["gen_s"])
-        score = m.get("time/score_s", m["time/rollout_s"] - gen)
-        iterations.append({"gen_s": gen, "score_s": score, "update_s": m["time/train_s"],
+        iterations.append({"gen_s": m["time/generate_s"], "score_s": m["time/score_s"], "update_s": m["time/train_s"],
                            "cpu_s": mine["cpu_s"], "rows": mine["rows"], "steps": mine["steps"],
                            "length_mean": m["response/length_mean"], "eos_frac": m["response/eos_frac"]})
-    timing = "metrics.jsonl" if "time/generate_s" in metrics[0] else "train.sample_responses timed here"
-    return {"iterations": iterations, "dtypes": probe.summary(), "setting": f"dtype={dtype!r}; gen s from {timing}",
+    return {"iterations": iterations, "dtypes": probe.summary(), "setting": f"dtype={dtype!r}",
             "wall_s": wall}
 
 
@@ -545,8 +536,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="toy shape (2 layers, hidden 64, vocabulary 512, batch 8, "
                                                         "8 + 8 tokens): checks the code in seconds")
     ap.add_argument("--sides", default=",".join(SIDES),
-                    help=f"comma-separated, of {', '.join(SIDES)} (rollout-lp only where ppo-core has "
-                         "old_logprobs_from_rollout)")
+                    help=f"comma-separated, of {', '.join(SIDES)}")
     ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32, bf16")
     ap.add_argument("--iterations", type=int, default=2, help="timed iterations, after one warm-up iteration")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each side's process")
@@ -575,10 +565,6 @@ def main():
     unknown = [s for s in sides + args.precisions if s not in SIDES + ("fp32", "bf16")]
     if unknown:
         sys.exit(f"bench/e2e.py: unknown side or precision {unknown[0]!r}")
-    from ppo_core.config import PPOConfig
-    if "ppo-core-rollout-lp" in sides and "old_logprobs_from_rollout" not in PPOConfig.__dataclass_fields__:
-        print("ppo-core has no old_logprobs_from_rollout config key: no rollout-lp row", file=sys.stderr)
-        sides.remove("ppo-core-rollout-lp")
 
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
