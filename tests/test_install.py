@@ -110,3 +110,36 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(default_job_without_trito
         log.close()
         assert not Logger(run_dir, progress=False).progress  # --progress=false still turns it off
     os.close(leader)
+
+
+# ------------------------------------------------------------------------------- the folder kernels/ shadows nothing
+
+
+def import_kernels(cwd, pythonpath, *flags):
+    """`import kernels` (and its submodule `_internals`, as transformers and kernels' setuptools entry point do) in a
+    fresh Python started in `cwd`, which Python puts first on sys.path as `python -c` and `python -m pytest` do."""
+    code = "import kernels, kernels._internals as i; print(kernels.__file__); print(i.MARK)"
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_checkouts_kernels_folder_never_shadows_a_package_named_kernels(tmp_path):
+    """The top-level folder kernels/ is the package ppo_kernels. Started in the checkout's root, Python finds it first
+    under its folder name, which is also a PyPI package (transformers >= 5.25 imports it): `import kernels` must give
+    the other package, from the root, from tests/ and from anywhere else, or fail as if the folder were not there."""
+    other = tmp_path / "site" / "kernels"  # a stand-in for PyPI's package, after the checkout on sys.path
+    os.makedirs(other / "_internals")
+    (other / "__init__.py").write_text("")
+    (other / "_internals" / "__init__.py").write_text("MARK = 'the other kernels'\n")
+    for cwd in (ROOT, os.path.join(ROOT, "tests"), str(tmp_path)):
+        proc = import_kernels(cwd, os.pathsep.join([ROOT, str(tmp_path / "site")]))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split() == [str(other / "__init__.py"), "the", "other", "kernels"]
+    # no other `kernels` anywhere (-S: no site-packages): the same error as without the folder
+    alone = import_kernels(ROOT, "", "-S")
+    assert alone.returncode == 1 and alone.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'kernels'"
+    # and under its own name the folder is the library
+    proc = subprocess.run([sys.executable, "-c", "import ppo_kernels; print(ppo_kernels.linear_policy_loss.__module__)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ppo_kernels.loss", proc.stderr[-2000:]
