@@ -309,12 +309,22 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN's bf16 kernels run on this CPU: they need AVX512-BW/VL/DQ or AVX-NE-CONVERT (torch's
+    mkldnn_bf16_device_check, which also honours ONEDNN_MAX_CPU_ISA). Where they do not (e.g. AVX2-only CPUs),
+    packing bf16 weights raises, and bf16 matmuls run on torch's generic kernels, slower than float32."""
+    return torch.backends.mkldnn.is_available() and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+
+
 def can_pack_for_cpu(model) -> bool:
-    """The oneDNN fast path applies: float32 weights on the CPU, a torch built with oneDNN, and no LoRA
-    adapters (ppo_core.lora: the packed q/k/v and gate/up matmuls would bypass them)."""
+    """The oneDNN fast path applies: float32 weights on the CPU, a torch built with oneDNN, no LoRA adapters
+    (ppo_core.lora: the packed q/k/v and gate/up matmuls would bypass them), and, under bf16 autocast (where the
+    packed copies are bf16), a CPU on which oneDNN runs bf16 (`onednn_bf16_supported`): elsewhere autocast's
+    F.linear computes the same bf16 products on torch's generic kernels. (No fp16 packing: nothing here uses it.)"""
     weight = next(model.parameters())
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (autocast_dtype("cpu") is None or (autocast_dtype("cpu") == torch.bfloat16 and onednn_bf16_supported()))
             and not any(hasattr(m, "lora_A") for m in model.modules()))
 
 

@@ -41,7 +41,7 @@ from . import algo, checkpoint, lora
 from . import distributed as dist
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
 from .generate import generate
-from .model import CheckpointError, load_model, load_score_model
+from .model import CheckpointError, load_model, load_score_model, onednn_bf16_supported
 from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out
 from .remote_reward import RewardUnavailable
 from .rewards import RewardError, make_reward_source
@@ -768,7 +768,7 @@ def bf16_matmul_hardware(device) -> str:
     where they are not (other CPUs emulate bf16 and run it slower than fp32)."""
     if device == "cuda":
         return "CUDA"
-    if device != "cpu" or not torch.backends.mkldnn.is_available():
+    if device != "cpu" or not onednn_bf16_supported():  # e.g. ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 CPU
         return ""
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "AMX"
@@ -806,7 +806,17 @@ def precision_line(p: Precision) -> str:
     if d["matmuls"] == d["weights"]:
         return f"{d['weights']} throughout ({d['why']})"
     attention = "float32 attention" if d["device"] == "cpu" else f"{d['matmuls']} attention"  # model.attention
-    return f"{d['weights']} weights, {d['matmuls']} autocast for the matmuls, {attention} ({d['why']})"
+    line = f"{d['weights']} weights, {d['matmuls']} autocast for the matmuls, {attention} ({d['why']})"
+    return line + ("; " + cpu_bf16_path() if d["device"] == "cpu" else "")
+
+
+def cpu_bf16_path() -> str:
+    """Which kernels multiply in bf16 on this CPU (said in the run's first lines): oneDNN's, with packed weight
+    copies for decoding, or, on CPUs oneDNN runs no bf16 on, torch's generic ones (model.onednn_bf16_supported)."""
+    if onednn_bf16_supported():
+        return "bf16 matmuls on oneDNN's bf16 kernels, packed weights for decoding"
+    return ("bf16 matmuls on torch's generic kernels, unpacked weights (oneDNN runs no bf16 on this CPU: it needs "
+            "AVX512-BW/VL/DQ or AVX-NE-CONVERT); slower than float32 here")
 
 
 def resolve_precision(cfg) -> Precision:
@@ -822,8 +832,8 @@ def resolve_precision(cfg) -> Precision:
     hardware = bf16_matmul_hardware(device)  # dtype='auto'
     if hardware:
         return Precision(device, torch.float32, torch.bfloat16, f"dtype='auto': bf16 matmuls are fast here ({hardware})")
-    return Precision(device, torch.float32, None, "dtype='auto': this CPU has neither AMX nor AVX512-BF16 "
-                                                  "(bf16 would be emulated, slower than fp32)")
+    return Precision(device, torch.float32, None, "dtype='auto': oneDNN has neither AMX nor AVX512-BF16 on this CPU "
+                                                  "(bf16 would run on generic kernels, slower than fp32)")
 
 
 def prompt_rows(cfg: PPOConfig):

@@ -128,13 +128,24 @@ def test_logits_match_transformers(checkpoints, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "olmo3"])
 def test_bfloat16_logits_match_transformers(checkpoints, family):
     """In bfloat16 the order of casts matters (OLMo applies RoPE and the norm weight in float32, the others cast
-    first): the logits equal transformers' (exactly, on the CPU); the other cast order is off by ~0.1."""
+    first): the logits equal transformers' (exactly, on the CPU); the other cast order is off by ~0.1.
+
+    Each left-padded row is compared with transformers on that row alone, unpadded: the truth for a padded row, and
+    the same attention on both sides (causal, no mask: our forward moves the pads after the real tokens). Against
+    transformers' own padded batch the logits differ by 0.02-0.05 on CPUs whose ATen kernels are AVX2
+    (`ATEN_CPU_CAPABILITY=avx2` reproduces it on any x86 CPU; exact with AVX-512): its masked attention over the
+    left pads sums the fp32 softmax in another order, and a bf16 rounding of the attention output flips by one ulp."""
     _, path = checkpoints[family]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     model = load_model(path, dtype=torch.bfloat16).eval()
     ids, mask = ids_and_mask()
     with torch.no_grad():
-        assert max_diff_real(model(ids, mask).float(), hf_logits(hf, ids, mask).float(), mask) <= 1e-3
+        plain = (model(ids).float() - hf(input_ids=ids).logits.float()).abs().max().item()
+        assert plain <= 1e-3  # the batch taken as unpadded rows (measured: 0 with AVX2 and AVX-512 kernels)
+        ours = model(ids, mask).float()
+        for row, real in enumerate(mask.bool()):
+            alone = hf(input_ids=ids[row : row + 1, real]).logits[0].float()
+            assert (ours[row, real] - alone).abs().max().item() <= 1e-3, row
 
 
 def test_parity_is_sensitive_to_each_family_feature(checkpoints):

@@ -11,6 +11,7 @@ log. The training loop in both precisions is in test_train.py, test_resume.py an
 """
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 import ppo_core
 from ppo_core import train
 from ppo_core.config import build_config
-from ppo_core.model import Backbone, KVCache, Linear, cpu_packed_linears
+from ppo_core.model import Backbone, KVCache, Linear, can_pack_for_cpu, cpu_packed_linears, onednn_bf16_supported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_generate import CONFIGS, prompts, tiny  # noqa: E402
@@ -37,23 +38,91 @@ def cpu_flags():
     return set()
 
 
+# Environment settings that make torch and oneDNN on any x86 CPU behave as on an AVX2-only one (e.g. AMD Zen 3):
+# ATen's vectorised kernels at AVX2, oneDNN capped at AVX2 (so it runs no bf16: packing bf16 weights raises there).
+AS_ON_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+RESOLVE_AUTO = ("import json; from ppo_core import train; from ppo_core.config import build_config; "
+                "p = train.resolve_precision(build_config(overrides={'device': 'cpu'})); "
+                "print(json.dumps({**p.describe(), 'line': train.precision_line(p)}))")
+
+
+def resolve_auto(env):
+    """dtype='auto' resolved in a fresh Python under `env` (oneDNN reads its ISA cap once, at start-up)."""
+    clean = {k: v for k, v in os.environ.items() if k not in AS_ON_AVX2}
+    proc = subprocess.run([sys.executable, "-c", RESOLVE_AUTO], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads Linux's /proc/cpuinfo")
-def test_auto_turns_on_bf16_autocast_exactly_on_cpus_with_amx_or_avx512_bf16():
+def test_auto_turns_on_bf16_autocast_exactly_on_cpus_where_onednn_runs_amx_or_avx512_bf16():
+    """Against Linux's own reading of the CPU: bf16 where the CPU has AMX or AVX512-BF16 and oneDNN can use it
+    (AVX512-BW/VL/DQ or AVX-NE-CONVERT), float32 elsewhere; and float32 on every CPU once oneDNN and ATen are
+    capped at AVX2, as on an AVX2-only CPU."""
     flags = cpu_flags()
-    fast = torch.backends.mkldnn.is_available() and bool(flags & {"amx_bf16", "amx_tile", "avx512_bf16"})
+    onednn_bf16 = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    fast = torch.backends.mkldnn.is_available() and onednn_bf16 and bool(flags & {"amx_bf16", "amx_tile", "avx512_bf16"})
+    auto = resolve_auto({})
+    assert auto["device"] == "cpu" and auto["weights"] == "float32"
+    assert auto["matmuls"] == ("bfloat16" if fast else "float32"), (auto, sorted(flags & {"avx512_bf16", "amx_bf16"}))
+    assert ("AMX" in auto["why"] or "AVX512-BF16" in auto["why"]) == fast
+    capped = resolve_auto(AS_ON_AVX2)
+    assert capped["matmuls"] == "float32" and capped["line"].startswith("float32 throughout (dtype='auto': ")
+
+
+@pytest.mark.parametrize("onednn, amx, avx512_bf16, expected", [
+    (True, True, True, "AMX"), (True, False, True, "AVX512-BF16"), (True, False, False, ""),
+    (False, True, True, ""), (False, False, True, "")])
+def test_auto_follows_the_probes_on_every_cpu(monkeypatch, onednn, amx, avx512_bf16, expected):
+    """Both branches of dtype='auto' on every machine, the probes' answers forced: bf16 only where oneDNN runs bf16
+    and the CPU has AMX or AVX512-BF16; and each run's first lines name the kernels bf16-mixed runs on."""
+    monkeypatch.setattr(train, "onednn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert train.bf16_matmul_hardware("cpu") == expected
     auto = train.resolve_precision(build_config(overrides={"device": "cpu"}))
-    assert auto.device == "cpu" and auto.param_dtype == torch.float32
-    assert auto.autocast_dtype == (torch.bfloat16 if fast else None), flags & {"amx_bf16", "amx_tile", "avx512_bf16"}
-    assert ("AMX" in auto.why or "AVX512-BF16" in auto.why) == fast
+    assert auto.autocast_dtype == (torch.bfloat16 if expected else None) and auto.param_dtype == torch.float32
+    assert (expected in auto.why) if expected else "neither AMX nor AVX512-BF16" in auto.why
+    mixed = train.resolve_precision(build_config(overrides={"device": "cpu", "dtype": "bf16-mixed"}))
+    kernels = "on oneDNN's bf16 kernels, packed weights" if onednn else "on torch's generic kernels, unpacked weights"
+    assert mixed.autocast_dtype == torch.bfloat16 and kernels in train.precision_line(mixed)
     forced = train.resolve_precision(build_config(overrides={"device": "cpu", "dtype": "float32"}))
     assert forced.autocast_dtype is None and forced.describe()["matmuls"] == "float32"
-    mixed = train.resolve_precision(build_config(overrides={"device": "cpu", "dtype": "bf16-mixed"}))
-    assert mixed.autocast_dtype == torch.bfloat16 and mixed.describe() == {
-        "device": "cpu", "weights": "float32", "matmuls": "bfloat16", "why": "dtype='bf16-mixed'"}
+    assert mixed.describe() == {"device": "cpu", "weights": "float32", "matmuls": "bfloat16", "why": "dtype='bf16-mixed'"}
     with mixed.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with forced.autocast():
         assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_decoding_packs_bf16_weights_only_where_onednn_runs_bf16(monkeypatch, onednn):
+    """Under bf16 autocast the packed copies would be bf16, which oneDNN packs only on CPUs it runs bf16 on (elsewhere
+    `_reorder_linear_weight` raises): generate then multiplies with autocast's F.linear, the same bf16 products.
+    float32 weights without autocast pack on every CPU."""
+    monkeypatch.setattr(ppo_core.model, "onednn_bf16_supported", lambda: onednn)
+    model = tiny("qwen3")
+    assert can_pack_for_cpu(model) == torch.backends.mkldnn.is_available()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert can_pack_for_cpu(model) == (onednn and torch.backends.mkldnn.is_available())
+
+
+def test_the_default_job_runs_in_bf16_mixed_as_on_an_avx2_only_cpu(tmp_path):
+    """The whole default job (shortened) in bf16-mixed with torch and oneDNN behaving as on an AVX2-only CPU, where
+    packing bf16 weights raises (`mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or
+    avx512bw, ...`): it runs on the generic kernels, says so in its first lines, and writes its summary."""
+    clean = {k: v for k, v in os.environ.items() if k not in AS_ON_AVX2}
+    proc = subprocess.run([sys.executable, "-m", "ppo_core.train", "--dtype=bf16-mixed", "--iterations=1", "--eval_size=8",
+                           "--rollout_batch_size=16", "--minibatch_size=16", "--micro_batch_size=16",
+                           f"--out={tmp_path / 'run'}"], env={**clean, **AS_ON_AVX2}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    first_lines = proc.stderr.splitlines()[:4]  # the log
+    assert any(line.startswith("precision: float32 weights, bfloat16 autocast") and "torch's generic kernels" in line
+               for line in first_lines), first_lines
+    with open(tmp_path / "run" / "summary.json") as f:
+        assert "eval/reward_after" in json.load(f)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -109,7 +178,8 @@ def test_every_projection_of_a_real_run_computes_in_the_configured_dtype(tmp_pat
     assert precision["matmuls"] == str(expected).replace("torch.", "") and precision["why"] == f"dtype='{dtype}'"
 
 
-@needs_onednn
+@pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN runs no bf16 on this CPU: it packs no bf16 weights "
+                    "(test_decoding_packs_bf16_weights_only_where_onednn_runs_bf16 covers the choice)")
 @pytest.mark.parametrize("name", ["qwen3", "olmo3"])
 def test_packed_decoding_weights_are_bf16_under_cpu_autocast_and_decode_as_f_linear(name):
     """Entered under CPU autocast, cpu_packed_linears packs bf16 copies; the packed matmuls and autocast's F.linear
