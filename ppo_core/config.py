@@ -460,6 +460,51 @@ def validate(cfg: PPOConfig):
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_fn), "reward_weights",
          f"must hold one weight per reward_fn ({len(cfg.reward_fn)})")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", "must be finite")
+    refuse_unread_settings(cfg)
+
+
+def refuse_unread_settings(cfg: PPOConfig):
+    """Keys that only some estimators, loss kinds or modes read, set away from their default where nothing reads them:
+    refused, naming both keys, rather than silently ignored (a run that differs from what its config says)."""
+    default = PPOConfig()
+
+    def unread(key, other, why):
+        if getattr(cfg, key) != getattr(default, key):
+            raise ConfigError(f"config key '{key}' has no effect with {other}={getattr(cfg, other)!r} ({why}), "
+                              f"got {getattr(cfg, key)!r}")
+
+    if cfg.policy_loss_kind == "gspo":
+        unread("dual_clip", "policy_loss_kind", "GSPO clips one ratio per sequence; dual-clip caps token losses")
+        if cfg.kl_in_reward and not cfg.entropy_coef:
+            unread("loss_agg", "policy_loss_kind", "GSPO averages over sequences; loss_agg reduces only a KL loss "
+                                                   "term (kl_in_reward=false) and the entropy bonus (entropy_coef)")
+    if not uses_critic(cfg):
+        for key in ("critic", "critic_lr", "value_clip", "lam", "whiten_advantages"):
+            unread(key, "adv_estimator", "a critic-free estimator: no critic, no GAE, its own normalisation")
+    if cfg.kl_in_reward:
+        unread("kl_loss_kind", "kl_in_reward", "the KL is in the reward: kl_reward_kind picks its estimator")
+    else:
+        unread("kl_reward_kind", "kl_in_reward", "the KL is a loss term: kl_loss_kind picks its estimator")
+    if not cfg.kl_target:
+        unread("kl_horizon", "kl_target", "the KL coefficient is fixed; the horizon paces the adaptive controller")
+    if not cfg.overlong_buffer:
+        unread("overlong_penalty", "overlong_buffer", "no overlong penalty without a buffer")
+    if not cfg.filter_groups:
+        unread("filter_groups_max_batches", "filter_groups", "no group filter")
+    if not cfg.chat_template:
+        unread("enable_thinking", "chat_template", "only a chat template reads it")
+    if cfg.parallel == "ddp":
+        unread("shard_frozen", "parallel", "only FSDP shards")
+    if not cfg.reward_url:
+        for key in ("reward_timeout_s", "reward_retries"):
+            unread(key, "reward_url", "they apply to a reward server")
+    if not cfg.judge:
+        for key in ("judge_template", "judge_max_new_tokens", "judge_unparsed_score", "judge_score_range",
+                    "judge_temperature", "judge_enable_thinking", "judge_batch_size"):
+            unread(key, "judge", "no judge in this process")
+        if not cfg.reward_url:  # a pairwise judge on a reward server reads these two as well
+            for key in ("judge_mode", "judge_reference_column"):
+                unread(key, "judge", "no judge in this process or on a reward server")
 
 
 def parse_cli(argv: list[str]) -> tuple[dict, dict]:

@@ -79,6 +79,57 @@ def test_bad_command_line_is_one_line_and_exit_2(argv, message, capsys, tmp_path
     assert not (tmp_path / "run").exists()  # nothing written for a run that never started
 
 
+UNREAD = [  # (command line, the key refused, the key that makes it unread), one case for each rule
+    (["--policy_loss_kind=gspo", "--dual_clip=3"], "dual_clip", "policy_loss_kind='gspo'"),
+    (["--policy_loss_kind=gspo", "--loss_agg=seq-mean-token-sum"], "loss_agg", "policy_loss_kind='gspo'"),
+    (["--adv_estimator=grpo", "--n_samples_per_prompt=2", "--value_clip=5"], "value_clip", "adv_estimator='grpo'"),
+    (["--adv_estimator=rloo", "--n_samples_per_prompt=2", "--critic_lr=1e-5"], "critic_lr", "adv_estimator='rloo'"),
+    (["--adv_estimator=reinforce_pp", "--critic=some/critic"], "critic", "adv_estimator='reinforce_pp'"),
+    (["--adv_estimator=grpo", "--n_samples_per_prompt=2", "--lam=0.9"], "lam", "adv_estimator='grpo'"),
+    (["--adv_estimator=dr_grpo", "--n_samples_per_prompt=2", "--whiten_advantages=false"], "whiten_advantages",
+     "adv_estimator='dr_grpo'"),
+    (["--kl_loss_kind=k2"], "kl_loss_kind", "kl_in_reward=True"),
+    (["--kl_in_reward=false", "--kl_reward_kind=k3"], "kl_reward_kind", "kl_in_reward=False"),
+    (["--kl_horizon=500"], "kl_horizon", "kl_target=0.0"),
+    (["--overlong_penalty=2"], "overlong_penalty", "overlong_buffer=0"),
+    (["--filter_groups_max_batches=8"], "filter_groups_max_batches", "filter_groups=False"),
+    (["--enable_thinking=false"], "enable_thinking", "chat_template=False"),
+    (["--shard_frozen=false"], "shard_frozen", "parallel='ddp'"),
+    (["--reward_retries=5"], "reward_retries", "reward_url=[]"),
+    (["--judge_max_new_tokens=64"], "judge_max_new_tokens", "judge=''"),
+    (["--judge_mode=pairwise"], "judge_mode", "judge=''"),
+]
+
+
+@pytest.mark.parametrize("argv, key, other", UNREAD)
+def test_a_setting_nothing_reads_in_its_combination_is_refused_naming_both_keys(argv, key, other, capsys, tmp_path):
+    """A key that only some estimators, loss kinds or modes read, set away from its default where nothing reads it,
+    would change nothing while the config says otherwise: one line naming both keys, exit 2, nothing written."""
+    assert main(argv + [f"--out={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ppo-train: error: config key '{key}' has no effect with {other} (")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_same_settings_are_accepted_where_they_are_read():
+    """Each refused setting of UNREAD passes once the key that reads it is set (and at its default everywhere)."""
+    readers = {"dual_clip": {"policy_loss_kind": "ppo"}, "loss_agg": {"entropy_coef": "0.01"},
+               "value_clip": {"adv_estimator": "gae"}, "critic_lr": {"adv_estimator": "gae"},
+               "critic": {"adv_estimator": "gae"}, "lam": {"adv_estimator": "gae"},
+               "whiten_advantages": {"adv_estimator": "gae"}, "kl_loss_kind": {"kl_in_reward": "false"},
+               "kl_reward_kind": {"kl_in_reward": "true"}, "kl_horizon": {"kl_target": "0.1"},
+               "overlong_penalty": {"overlong_buffer": "4"}, "filter_groups_max_batches": {"filter_groups": "true", "n_samples_per_prompt": "2"},
+               "enable_thinking": {"chat_template": "true"}, "shard_frozen": {"parallel": "fsdp"},
+               "reward_retries": {"reward_url": "http://127.0.0.1:1"}, "judge_max_new_tokens": {"judge": "some/judge"},
+               "judge_mode": {"reward_url": "http://127.0.0.1:1"}}
+    assert sorted(readers) == sorted(key for _, key, _ in UNREAD)
+    for argv, key, _ in UNREAD:
+        overrides = dict(arg[2:].split("=", 1) for arg in argv)
+        build_config(overrides={**overrides, **readers[key]})
+    for estimator in ("grpo", "rloo", "reinforce_pp"):  # the defaults of every key are never refused
+        build_config(overrides={"adv_estimator": estimator, "n_samples_per_prompt": "2", "policy_loss_kind": "gspo"})
+
+
 def test_bad_toml_files(tmp_path, capsys):
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("gama = 0.9\n")
