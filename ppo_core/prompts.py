@@ -17,7 +17,8 @@ File formats (`load_rows`), chosen by the file's extension:
 A "prompt" or "messages" that is null counts as absent, so a table may hold both columns with one null per row;
 a "prompt" that is a list of turns (verl's Parquet layout) is read as "messages".
 Anything else wrong with a row is a `PromptsError`: one line naming the file, the line (JSON lines) or row
-(JSON array, Parquet), counted from 1, and what is wrong.
+(JSON array, Parquet), counted from 1, and what is wrong. A row found wrong later (a character the policy's tokenizer
+cannot encode) is named the same way by `where_is`, which reads the file again: rows carry no position.
 """
 import json
 import os
@@ -37,6 +38,12 @@ def load_rows(path) -> list[dict]:
     checked "messages" list, plus its extra columns' values as read (JSON types; Parquet: `to_pylist()`).
     Raises PromptsError on a missing file, an empty one, or a bad row.
     """
+    return [row for _, row in _placed_rows(path)]
+
+
+def _placed_rows(path) -> list[tuple[str, dict]]:
+    """load_rows' rows as (place, row) pairs, the place naming the row in messages: "FILE:LINE" (text, JSON lines;
+    blank lines counted) or "FILE: row N" (JSON array, Parquet)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise PromptsError(f"{path}: is a directory, not a prompts file")
@@ -44,7 +51,7 @@ def load_rows(path) -> list[dict]:
         raise PromptsError(f"{path}: no such file")
     extension = os.path.splitext(path)[1].lower()
     if extension == ".parquet":
-        rows = [_checked(row, f"{path}: row {n}") for n, row in enumerate(_parquet_rows(path), 1)]
+        rows = [(f"{path}: row {n}", _checked(row, f"{path}: row {n}")) for n, row in enumerate(_parquet_rows(path), 1)]
     else:
         try:
             with open(path, encoding="utf-8") as f:
@@ -57,7 +64,7 @@ def load_rows(path) -> list[dict]:
             rows = _json_lines_rows(path, text)
         else:
             # a line is a prompt as written, blank lines skipped
-            rows = [{"prompt": line} for line in text.split("\n") if line.strip()]
+            rows = [(f"{path}:{n}", {"prompt": line}) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not rows:
         raise PromptsError(f"{path}: holds no prompts")
     return rows
@@ -77,7 +84,7 @@ def _parquet_rows(path) -> list[dict]:
         raise PromptsError(f"{path}: cannot read as Parquet: {first_line}") from None
 
 
-def _json_array_rows(path, text) -> list[dict]:
+def _json_array_rows(path, text) -> list[tuple[str, dict]]:
     """Rows of a .json file holding one JSON array: of objects, or of strings (each a "prompt")."""
     try:
         items = json.loads(text)
@@ -89,11 +96,11 @@ def _json_array_rows(path, text) -> list[dict]:
             item = {"prompt": item}
         elif not isinstance(item, dict):
             raise PromptsError(f"{path}: row {n}: expected a JSON object or a string, got {_json_type(item)}")
-        rows.append(_checked(item, f"{path}: row {n}"))
+        rows.append((f"{path}: row {n}", _checked(item, f"{path}: row {n}")))
     return rows
 
 
-def _json_lines_rows(path, text) -> list[dict]:
+def _json_lines_rows(path, text) -> list[tuple[str, dict]]:
     """Rows of a JSON-lines file: one object per non-blank line; errors name the line, counted from 1."""
     rows = []
     # split at "\n" only (the reader already turned \r\n and \r into \n): str.splitlines would also split
@@ -111,7 +118,7 @@ def _json_lines_rows(path, text) -> list[dict]:
         if not isinstance(item, dict):
             raise PromptsError(f"{path}:{n}: expected a JSON object with a \"prompt\" or \"messages\" field, "
                                f"got {_json_type(item)}")
-        rows.append(_checked(item, f"{path}:{n}"))
+        rows.append((f"{path}:{n}", _checked(item, f"{path}:{n}")))
     return rows
 
 
@@ -178,6 +185,18 @@ def _json_type(value) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
+
+
+def where_is(row: dict, files: dict) -> str:
+    """Where `row` was read, for a message about it: "config key 'KEY': FILE:LINE" (or "FILE: row N"), the first
+    place in `files` ({config key: path}, an empty path skipped) holding a row equal to it; a row found nowhere (a
+    built-in task's) is named by its prompt. Reads the files again: meant for error paths only."""
+    for key, path in files.items():
+        if path:
+            for place, candidate in _placed_rows(path):
+                if candidate == row:
+                    return f"config key '{key}': {place}"
+    return f"prompt {prompt_text(row)[:40]!r}"
 
 
 def prompt_text(row: dict) -> str:

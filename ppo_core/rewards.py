@@ -30,7 +30,10 @@ It returns one number per response (a list or tuple of ints or floats - NumPy an
 1-D NumPy array or torch tensor), or a dict {"rewards": [B numbers], "<metric>": [B numbers], ...} whose other
 entries are logged. Each element is checked: a number (not a bool, a str, a dict, None or a list), finite, one per
 response. Anything else is a RewardError of one line naming the function, the sample, its prompt and response and
-what was returned; so is a function that raises, naming the first sample it raises on alone.
+what was returned; so is a function that raises, naming the first sample it raises on alone. That error also carries
+where the function raised, `error.raised_at` ("FILE:LINE in FUNCTION", the innermost frame in the function's own file),
+and the full traceback, `error.traceback`: ppo-train adds the first to its error line and appends the second to the
+run directory's error.log (ppo_core.runlog.log_error).
 """
 import importlib
 import importlib.util
@@ -38,6 +41,7 @@ import inspect
 import math
 import os
 import reprlib
+import traceback
 from collections.abc import Mapping
 
 import numpy as np
@@ -49,7 +53,11 @@ TASK_REWARDS = {"reverse": reverse_rewards, "arith": arith_rewards}
 
 
 class RewardError(RuntimeError):
-    """The reward function failed or returned something that is not one finite score per response."""
+    """The reward function failed or returned something that is not one finite score per response. When the function
+    raised: `raised_at`, "FILE:LINE in FUNCTION" in the function's own file (None when no frame is there), and
+    `traceback`, the full traceback (a str); both None otherwise."""
+
+    raised_at = traceback = None
 
 
 def import_callable(spec: str):
@@ -190,8 +198,10 @@ class CallableReward:
             result = self.fn(prompts, responses, **kwargs)
         except Exception as e:
             message = " ".join(str(e).split())[:200]
-            raise RewardError(f"reward function {self.name} raised {type(e).__name__}: {message} "
-                              f"{self._locate(prompts, responses, kwargs)}") from None
+            error = RewardError(f"reward function {self.name} raised {type(e).__name__}: {message} "
+                                f"{self._locate(prompts, responses, kwargs)}")
+            error.raised_at, error.traceback = self._raised_at(e), "".join(traceback.format_exception(e))
+            raise error from None
         if isinstance(result, Mapping):
             if "rewards" not in result or not all(isinstance(key, str) for key in result):
                 raise RewardError(f"reward function {self.name} returned a dict with keys {_repr.repr(list(result))}: "
@@ -233,6 +243,18 @@ class CallableReward:
                                   f"{_sample(i, prompts, responses)}: expected a finite number")
             checked.append(number)
         return checked
+
+    def _raised_at(self, exception):
+        """"FILE:LINE in FUNCTION" of the innermost frame of the exception's traceback in the file the reward function
+        is defined in: the line that raised, in the function or a helper of that file, or the line of that file that
+        called the library that raised. None when no frame is in that file (a builtin, say)."""
+        try:
+            own_file = inspect.getsourcefile(self.fn if inspect.isroutine(self.fn) else type(self.fn))
+        except TypeError:  # a builtin
+            return None
+        frames = [f for f in traceback.extract_tb(exception.__traceback__)
+                  if own_file and os.path.abspath(f.filename) == os.path.abspath(own_file)]
+        return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
 
     def _locate(self, prompts, responses, kwargs):
         """Find the first sample on which the function raises by itself, to name it in the error."""

@@ -4,6 +4,8 @@
     DIR/metrics.jsonl      one JSON object per iteration
     DIR/summary.json       evaluation before/after, final KL
     DIR/checkpoints/step-N the policy (and tokenizer) in the Hugging Face layout
+    DIR/error.log          when a reward function of the user's raised: the time, the error line and the full
+                           traceback, one entry per failed attempt (log_error)
 
 Without --out, DIR is runs/<policy directory's name>-<task>-<date>-<time> (see default_run_path).
 Only rank 0 writes; every helper here is a no-op on the other ranks, so the loop never says
@@ -16,6 +18,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -95,6 +98,27 @@ def _start_time() -> datetime.datetime:
     if torch.distributed.is_initialized():
         torch.distributed.broadcast(seconds, src=0)
     return datetime.datetime.fromtimestamp(int(seconds.item()))
+
+
+def check_out_dir(path):
+    """RunDirError unless `path` is a directory this process can write in, or one it can create: nothing may be a
+    regular file along it, and the nearest directory that exists must take a new entry (tried with a temporary
+    directory, removed at once: a read-only file system, a directory of another user, /proc). Writes nothing else;
+    cheap enough to run before any model is built."""
+    path = os.fspath(path)
+    existing = path
+    while not os.path.isdir(existing):  # up to the nearest directory that exists ("." for a relative path)
+        if os.path.lexists(existing):  # a regular file (or a link to nowhere) where a directory must go
+            what = "a file, not a directory" if os.path.isfile(existing) else "not a directory"
+            raise RunDirError(f"output directory {path}: {'' if existing == path else existing + ' '}is {what}")
+        parent = os.path.dirname(existing) or "."
+        if parent == existing:  # not even "." or "/" is a directory: mkdtemp below says why
+            break
+        existing = parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ppo-train-check-", dir=existing))
+    except OSError as e:
+        raise RunDirError(f"output directory {path}: cannot write in {existing} ({e.strerror})") from None
 
 
 def _has_checkpoint(path) -> bool:
@@ -276,11 +300,38 @@ class StopSignals:
         return False
 
 
+# The run directory of the Logger open in this process (rank 0), for log_error: the error that stops a run is caught
+# by train.main(), far from the loop that knows where the run writes.
+_open_run_dir = None
+
+
+def log_error(error: BaseException) -> str:
+    """The error's one line for the user, after the full traceback it may carry (`error.traceback`, set by
+    ppo_core.rewards when a reward function raised) went to DIR/error.log of the run whose Logger is open (appended,
+    after the time and the line; earlier entries are kept). The line is str(error), then, for a reward function that
+    raised, "; raised at FILE:LINE in FUNCTION" (`error.raised_at`) and "; full traceback in DIR/error.log"."""
+    global _open_run_dir
+    line = str(error)
+    if getattr(error, "raised_at", None):
+        line += f"; raised at {error.raised_at}"
+    details = getattr(error, "traceback", None)
+    if details and _open_run_dir is not None and is_rank0():
+        path = os.path.join(_open_run_dir, "error.log")
+        with open(path, "a") as f:
+            f.write(f"--- {datetime.datetime.now().isoformat(timespec='seconds')}\nppo-train: error: {line}\n\n{details}\n")
+        line += f"; full traceback in {path}"
+        _open_run_dir = None  # the error ends the run
+    return line
+
+
 class Logger:
-    """metrics.jsonl, a progress bar (when stderr is a terminal), and the final table; quiet on ranks other than 0."""
+    """metrics.jsonl, a progress bar (when stderr is a terminal), and the final table; quiet on ranks other than 0.
+    While it is open, log_error writes to its run directory."""
 
     def __init__(self, run_dir: RunDir, progress=True):
+        global _open_run_dir
         self.rank0 = is_rank0()
+        _open_run_dir = run_dir.path if self.rank0 else None
         # a bar only on a terminal: redirected to a file, tqdm's carriage-return frames are noise
         self.progress = progress and self.rank0 and sys.stderr.isatty()
         self.bar = None
@@ -310,6 +361,8 @@ class Logger:
             self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", kl=f"{m['kl/mean']:.3f}", refresh=False)
 
     def close(self):
+        global _open_run_dir
+        _open_run_dir = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

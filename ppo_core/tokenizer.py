@@ -7,6 +7,9 @@ library, behaving as transformers' tokenizer on the same files.
     tok.decode(ids), tok.eos_token_id, tok.pad_token_id, tok.eos_token_ids
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
 
+Text a tokenizer without an unknown token cannot encode (a character its vocabulary lacks) raises UnknownTextError,
+one line naming the character, where the tokenizers library raises "WordLevel error: Missing [UNK] token".
+
 Special tokens come from tokenizer_config.json (strings or AddedToken dicts), else from the legacy
 special_tokens_map.json. The chat template comes from chat_template.jinja (+ additional_chat_templates/*.jinja),
 which wins over the "chat_template" entry of tokenizer_config.json, as in transformers 5.
@@ -26,6 +29,13 @@ from .model import CheckpointError, checkpoint_dir
 
 # the named special tokens transformers passes to a chat template (`special_tokens_map`)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class UnknownTextError(ValueError):
+    """Text holding a piece (for a character vocabulary, a character) that the vocabulary lacks, in a tokenizer
+    without an unknown token to stand for it (a WordLevel model whose unk_token is not in its vocabulary, as the
+    demo checkpoints' character tokenizers). Byte-level and byte-fallback tokenizers encode any text and never
+    raise it. The message is one line naming the piece."""
 
 
 class Tokenizer:
@@ -60,7 +70,13 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text, add_special_tokens=False):
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception:  # the tokenizers library raises a bare Exception ("WordLevel error: Missing [UNK] token ...")
+            unknown = _unknown_text_error(self.backend, text)
+            if unknown is None:
+                raise
+            raise unknown from None
 
     def encode_prompt(self, text) -> list:
         """The ids of transformers' `tokenizer(text)["input_ids"]`: `text` encoded, then tokenizer.json's
@@ -71,7 +87,7 @@ class Tokenizer:
         For a prompt that does not go through a chat template (a template writes its own BOS, and its text is
         encoded with encode). transformers 5 ignores tokenizer_config.json's add_bos_token / add_eos_token when
         a tokenizer.json exists: the post_processor alone decides, here as there."""
-        return self.backend.encode(text, add_special_tokens=True).ids
+        return self.encode(text, add_special_tokens=True)
 
     def decode(self, ids, skip_special_tokens=True):
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -127,6 +143,30 @@ class Tokenizer:
             with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
                 json.dump(self.generation_config, f, indent=2)
                 f.write("\n")
+
+
+def _unknown_text_error(backend: _HFTokenizer, text):
+    """The UnknownTextError for `text` when backend.encode(text) failed on a piece its model has no token for, else
+    None. Only called after a failure, so a tokenizer that encodes everything pays nothing: the text is split as
+    encode splits it (added tokens, then the normalizer and the pre-tokenizer) and the pieces are tried one by one."""
+    if not isinstance(text, str):
+        return None
+    special = sorted((t.content for t in backend.get_added_tokens_decoder().values()), key=len, reverse=True)
+    segments = [text]
+    for token in special:  # added tokens ("<eos>", "<|im_start|>") are matched before the model sees the text
+        segments = [part for segment in segments for part in segment.split(token)]
+    for segment in segments:
+        if backend.normalizer is not None:
+            segment = backend.normalizer.normalize_str(segment)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(segment) if backend.pre_tokenizer is not None else [(segment, None)]
+        for piece, _ in pieces:
+            try:
+                backend.model.tokenize(piece)
+            except Exception:
+                shown = f"{piece!r} (U+{ord(piece):04X})" if len(piece) == 1 else repr(piece)
+                return UnknownTextError(f"no token for {shown} in the tokenizer's vocabulary, and no unknown token "
+                                        f"to stand for it")
+    return None
 
 
 def _token_str(tok):
