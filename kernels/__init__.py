@@ -25,10 +25,12 @@ if __name__ == "kernels":
         sys.path[:] = _saved_path
 else:
     from .linear_logprobs import linear_token_logprobs, linear_token_logprobs_reference
+    from .logprobs import _backend as backend  # backend(device) -> "triton" or "torch": what runs for its tensors
     from .logprobs import token_logprobs, token_logprobs_reference
     from .loss import linear_policy_loss, linear_policy_loss_reference, policy_loss, policy_loss_reference
 
     __all__ = [
+        "backend",
         "token_logprobs", "token_logprobs_reference",
         "linear_token_logprobs", "linear_token_logprobs_reference",
         "policy_loss", "policy_loss_reference",

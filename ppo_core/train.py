@@ -42,11 +42,11 @@ from . import distributed as dist
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
 from .generate import generate
 from .model import CheckpointError, load_model, load_score_model, onednn_bf16_supported
-from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out
+from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out, where_is
 from .remote_reward import RewardUnavailable
 from .rewards import RewardError, make_reward_source
 from .tasks import PromptStream, eval_prompts
-from .tokenizer import load_tokenizer
+from .tokenizer import UnknownTextError, load_tokenizer
 from . import runlog, tracking
 
 IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
@@ -810,6 +810,23 @@ def precision_line(p: Precision) -> str:
     return line + ("; " + cpu_bf16_path() if d["device"] == "cpu" else "")
 
 
+def loss_paths(cfg: PPOConfig, device) -> str:
+    """Which code computes each head's log-probs and loss, and why (said in the run's first lines): ppo_kernels' fused
+    kernels (Triton on CUDA, a chunked torch path on the CPU; PPO_KERNELS_BACKEND forces one) or the plain torch
+    reference, which forms the full [B, T, V] logits."""
+    if not cfg.fused_kernels:
+        return "the torch reference for every head: full logits, log_softmax + gather, ppo_core.algo (fused_kernels=false)"
+    kernels = "Triton" if ppo_kernels.backend(torch.device(device)) == "triton" else "chunked torch"
+    if cfg.policy_loss_kind == "ppo":
+        update = f"policy loss: fused linear_policy_loss ({kernels}; clip, dual-clip, KL term and entropy inside)"
+    else:
+        update = (f"policy loss: fused linear_token_logprobs ({kernels}) + algo.gspo_policy_loss (GSPO's sequence "
+                  f"ratio is not a kernel of its own)")
+    old = "old log-probs from decoding, reference" if cfg.old_logprobs_from_rollout else "old and reference"
+    value = "; value loss: the critic's scalar head + algo.value_loss (no [T, V] logits)" if uses_critic(cfg) else ""
+    return f"{update}; {old} log-probs: fused linear_token_logprobs ({kernels}){value}"
+
+
 def cpu_bf16_path() -> str:
     """Which kernels multiply in bf16 on this CPU (said in the run's first lines): oneDNN's, with packed weight
     copies for decoding, or, on CPUs oneDNN runs no bf16 on, torch's generic ones (model.onednn_bf16_supported)."""
@@ -947,6 +964,7 @@ def run(cfg: PPOConfig, resume_from=None):
                           f"multiples of the number of processes ({world})")
 
     # Everything that can be wrong with the input is checked before the run directory is touched.
+    runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
     tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, param_dtype)
     if cfg.chat_template:
         try:
@@ -972,7 +990,11 @@ def run(cfg: PPOConfig, resume_from=None):
                           f"samples.jsonl's own '{clash[0]}'; rename that column")
     context = policy.args.max_position_embeddings
     for row in held_out + train_rows:
-        n = len(prompt_token_ids(tokenizer, row, cfg))
+        try:
+            n = len(prompt_token_ids(tokenizer, row, cfg))
+        except UnknownTextError as e:  # a character the vocabulary lacks, and no unknown token: name its file and row
+            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+            raise ConfigError(f"{where_is(row, files)}: {e}") from None
         if n + cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {prompt_text(row)[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} "
                               f"it exceeds the model's context of {context} tokens")
@@ -1019,6 +1041,7 @@ def run(cfg: PPOConfig, resume_from=None):
         log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
                  f"run dir {run_dir.path}")
         log.info(f"precision: {precision_line(precision)}")
+        log.info(f"loss paths: {loss_paths(cfg, device)}")
         if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
             where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
             log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
@@ -1197,7 +1220,7 @@ def main(argv=None):
         run(cfg, resume_from=resume)
     except (ConfigError, CheckpointError, RewardError, PromptsError, tracking.TrackingError, runlog.RunDirError,
             FileNotFoundError) as e:
-        print(f"ppo-train: error: {e}", file=sys.stderr)
+        print(f"ppo-train: error: {runlog.log_error(e)}", file=sys.stderr)  # a reward function's traceback: DIR/error.log
         return 2
     except NonFiniteUpdates as e:
         print(f"ppo-train: error: {e}", file=sys.stderr)

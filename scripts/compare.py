@@ -1,24 +1,34 @@
-"""Compare advantage estimators at an equal sample budget: every (estimator, seed) is a real `ppo-train` run.
+"""Compare estimators, or any other settings, at an equal sample budget: every (variant, seed) is a real `ppo-train` run.
 
     python scripts/compare.py --out runs/compare                        # gae, grpo, rloo, reinforce_pp x seeds 0 1 2
     python scripts/compare.py --estimators gae,grpo --seeds 0 --out runs/c -- --iterations=30     # extra ppo-train args after --
     python scripts/compare.py --estimators grpo,dr_grpo --group_size 8 --jobs 4 --out runs/g -- --policy=DIR
+    python scripts/compare.py --estimators grpo --vary policy_loss_kind=ppo,gspo --vary clip_high=0.2,0.28 --out runs/l
+    python scripts/compare.py --estimators grpo --variant "" --variant dual_clip=3 --variant "policy_loss_kind=gspo clip_low=3e-4 clip_high=4e-4" --out runs/loss
 
-Each run is `python -m ppo_core.train` in its own process, into OUT/<estimator>-seed<k>, with --progress=false
+A VARIANT is an estimator and the settings (ppo-train config keys) that set it apart. `--vary KEY=V1,V2,...` (repeatable)
+crosses: every combination of one value per --vary key is a variant, for every estimator. `--variant "KEY=V KEY=V"`
+(repeatable; "" is ppo-train's defaults) lists variants one by one, for settings that only make sense together
+(GSPO with its own clip range; dual-clip with the token-level loss only); --vary keys cross with each of them. A value
+holding a comma goes in a --variant. Without either, a variant is an estimator. A variant is named by its settings,
+"grpo policy_loss_kind=gspo clip_low=3e-4", in the tables, the plot and compare.json; its run directories are that name
+with '-' for the spaces (characters other than letters, digits and ._=+- as '_').
+
+Each run is `python -m ppo_core.train` in its own process, into OUT/<variant>-seed<k>, with --progress=false
 --threads=1, at most --jobs of them at a time. Every run starts from the same policy checkpoint (ppo-train's default,
 the shipped demo, unless the extra args name another); the seed changes the sampling (and the task's prompts) only.
 
 Equal sample budget: every run samples --samples_per_iteration responses per iteration. A group estimator (grpo,
 dr_grpo, rloo, reinforce_pp_baseline) samples --group_size responses for each of samples / group_size prompts;
 gae and reinforce_pp sample one response for each of `samples` prompts. Everything else is ppo-train's defaults
-plus the extra args after `--`, the same for every run.
+plus the variant's settings, plus the extra args after `--`, the same for every run.
 
 Writes, in OUT:
   compare.md     the environment, the command, and a table of held-out reward before / after (sampled and greedy),
-                 final KL, time and throughput per estimator ("mean ± std" over seeds, std with Bessel's correction),
+                 final KL, time and throughput per variant ("mean ± std" over seeds, std with Bessel's correction),
                  with one row per run below it
-  compare.json   all those numbers (per estimator and per run)
-  compare.png    rollout reward and KL against iteration: the seed mean per estimator and a min..max band over seeds
+  compare.json   all those numbers (per variant, under "estimators" and with its "settings", and per run)
+  compare.png    rollout reward and KL against iteration: the seed mean per variant and a min..max band over seeds
                  (needs matplotlib, `pip install -e ".[plot]"`; without it compare.md and compare.json are still written)
   logs/          each run's stdout and stderr
 A run that fails is reported with the tail of its stderr and makes the exit status 1 (the outputs are written from
@@ -27,9 +37,11 @@ the runs that finished). Bad arguments are one line on stderr and exit status 2,
 import argparse
 import concurrent.futures
 import datetime
+import itertools
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -60,8 +72,12 @@ def parse_args(argv):
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="python scripts/compare.py --out DIR [options] [-- ppo-train args]")
-    ap.add_argument("--out", required=True, help="output directory: one run directory per (estimator, seed) and the reports")
+    ap.add_argument("--out", required=True, help="output directory: one run directory per (variant, seed) and the reports")
     ap.add_argument("--estimators", default=DEFAULT_ESTIMATORS, help=f"comma-separated, from {', '.join(ADV_ESTIMATORS)}")
+    ap.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2,...",
+                    help="a ppo-train config key and its values; repeated, every combination (crossed)")
+    ap.add_argument("--variant", action="append", default=[], metavar='"KEY=V KEY=V ..."',
+                    help='one variant\'s settings ("" for the defaults); repeated, a list of variants')
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="ppo-train --seed of each run")
     ap.add_argument("--samples_per_iteration", type=int, default=64, help="responses sampled per iteration, every run")
     ap.add_argument("--group_size", type=int, default=4, help="responses per prompt of the group estimators")
@@ -74,9 +90,52 @@ def parse_args(argv):
     return args
 
 
+def variants(args, extra_keys):
+    """The variants: dicts of ppo-train settings (strings), in the order that names them: adv_estimator, an --variant's
+    settings, one value of each --vary key; every estimator x every --variant x every combination of the --vary values.
+    extra_keys: the keys the args after `--` set. Raises ArgumentError."""
+    def key_of(key, flag):  # a key compare.py sets itself, or the extra args set for every run, cannot vary
+        if key in OWN_KEYS:
+            instead = {"adv_estimator": "--estimators", "seed": "--seeds", "out": "--out"}.get(key, "--samples_per_iteration and --group_size")
+            raise ArgumentError(f"{flag} {key}: compare.py sets it itself (use {instead})")
+        if key in extra_keys:
+            raise ArgumentError(f"{flag} {key}: also set after --, for every run; give it in one place")
+        return key
+
+    crossed = {}
+    for spec in args.vary:
+        key, sep, values = spec.partition("=")
+        if not sep or not key or not values:
+            raise ArgumentError(f"--vary takes KEY=VALUE,VALUE,..., got {spec!r}")
+        if key_of(key, "--vary") in crossed:
+            raise ArgumentError(f"--vary {key}: given twice; put all its values in one --vary")
+        crossed[key] = values.split(",")
+        if len(set(crossed[key])) != len(crossed[key]):
+            raise ArgumentError(f"--vary {key}: a value is given twice: {values}")
+    listed = []
+    for spec in args.variant if args.variant else [""]:
+        settings = {}
+        for setting in spec.split():
+            key, sep, value = setting.partition("=")
+            if not sep or not key:
+                raise ArgumentError(f"--variant takes settings KEY=VALUE separated by spaces, got {spec!r}")
+            if key_of(key, "--variant") in settings or key in crossed:
+                raise ArgumentError(f"--variant {spec!r}: {key} is set twice (in it, or in it and a --vary)")
+            settings[key] = value
+        listed.append(settings)
+    return [{"adv_estimator": est, **settings, **dict(zip(crossed, values))}
+            for est in args.estimators for settings in listed for values in itertools.product(*crossed.values())]
+
+
+def variant_name(settings) -> str:
+    """'grpo policy_loss_kind=gspo dual_clip=3': the estimator, then each other setting as KEY=VALUE."""
+    return " ".join([settings["adv_estimator"], *(f"{k}={v}" for k, v in settings.items() if k != "adv_estimator")])
+
+
 def run_plan(args):
-    """Check everything and return the runs: dicts with estimator, seed, n (responses per prompt), prompts,
-    dir and cmd (the argv). Raises ArgumentError (nothing has been started or created)."""
+    """Check everything and return the runs, variant by variant, seed by seed: dicts with variant (its name), settings
+    (its ppo-train settings, see variants), estimator, seed, n (responses per prompt), prompts, dir and cmd (the argv).
+    Raises ArgumentError (nothing has been started or created)."""
     for est in args.estimators:
         if est not in ADV_ESTIMATORS:
             raise ArgumentError(f"unknown estimator {est!r} (choose from {', '.join(ADV_ESTIMATORS)})")
@@ -110,30 +169,37 @@ def run_plan(args):
         if taken:
             raise ArgumentError(f"{driver['config']} sets '{taken[0]}', which compare.py sets itself ({', '.join(OWN_KEYS)})")
 
-    runs = []
-    for est in args.estimators:
+    runs, dir_names = [], set()
+    for settings in variants(args, overrides):
+        est, name = settings["adv_estimator"], variant_name(settings)
+        dir_name = re.sub(r"[^A-Za-z0-9._=+-]", "_", name.replace(" ", "-"))
+        if dir_name in dir_names:
+            raise ArgumentError(f"variant {name!r} is given twice (or differs from another only in characters "
+                                f"its directory name replaces: {dir_name})")
+        dir_names.add(dir_name)
         n = args.group_size if est in GROUP_ESTIMATORS else 1
+        varied = {k: v for k, v in settings.items() if k != "adv_estimator"}
         for seed in args.seeds:
-            run_dir = os.path.join(args.out, f"{est}-seed{seed}")
+            run_dir = os.path.join(args.out, f"{dir_name}-seed{seed}")
             own = {"adv_estimator": est, "n_samples_per_prompt": str(n),
                    "rollout_batch_size": str(args.samples_per_iteration // n), "seed": str(seed), "out": run_dir}
             try:  # the config ppo-train will build, validated now so that a bad one fails before any run starts
-                build_config(toml_values, {**overrides, **own}, driver.get("config", ""))
+                build_config(toml_values, {**overrides, **varied, **own}, driver.get("config", ""))
             except ConfigError as e:
-                raise ArgumentError(f"{est}-seed{seed}: {e}") from None
+                raise ArgumentError(f"{name}, seed {seed}: {e}") from None
             if os.path.isfile(os.path.join(run_dir, "summary.json")):
                 raise ArgumentError(f"{run_dir} already holds a finished run; choose another --out")
             cmd = [sys.executable, "-m", "ppo_core.train", *(f"--{k}={v}" for k, v in own.items()),
-                   "--progress=false", "--threads=1", *args.extra]
-            runs.append({"estimator": est, "seed": seed, "n": n, "prompts": args.samples_per_iteration // n,
-                         "dir": run_dir, "cmd": cmd})
+                   "--progress=false", "--threads=1", *(f"--{k}={v}" for k, v in varied.items()), *args.extra]
+            runs.append({"variant": name, "settings": settings, "estimator": est, "seed": seed, "n": n,
+                         "prompts": args.samples_per_iteration // n, "dir": run_dir, "cmd": cmd})
     return runs
 
 
 def execute(runs, jobs, log_dir):
     """Run each run's cmd as a subprocess, `jobs` at a time; print each command as it starts. Adds to each run:
     returncode, wall_s (the process's wall time) and stderr_tail (its last lines when it failed). The stdout and
-    stderr of each go to log_dir/<estimator>-seed<k>.log."""
+    stderr of each go to log_dir/<its run directory's name>.log."""
     os.makedirs(log_dir, exist_ok=True)
     lock = threading.Lock()
 
@@ -189,21 +255,22 @@ SUMMARY_STATS = (  # compare.json key, summary.json key
 )
 
 
-def aggregate(runs, estimators):
-    """Per estimator, over its finished runs (seeds): mean_std of each SUMMARY_STATS entry and of the headroom
-    closed; the mean run time (summary time/total_s, s) and the mean tokens/s over all iterations of all seeds."""
+def aggregate(runs, names):
+    """Per variant (its name), over its finished runs (seeds): its settings, mean_std of each SUMMARY_STATS entry and
+    of the headroom closed; the mean run time (summary time/total_s, s) and the mean tokens/s over all iterations of
+    all seeds."""
     table = {}
-    for est in estimators:
-        done = [r for r in runs if r["estimator"] == est and r["returncode"] == 0]
-        row = {"n_samples_per_prompt": next(r["n"] for r in runs if r["estimator"] == est),
-               "rollout_batch_size": next(r["prompts"] for r in runs if r["estimator"] == est),
+    for name in names:
+        first = next(r for r in runs if r["variant"] == name)
+        done = [r for r in runs if r["variant"] == name and r["returncode"] == 0]
+        row = {"settings": first["settings"], "n_samples_per_prompt": first["n"], "rollout_batch_size": first["prompts"],
                "seeds": [r["seed"] for r in done]}
         for key, summary_key in SUMMARY_STATS:
             row[key] = mean_std([r["summary"][summary_key] for r in done])
         row["headroom_closed"] = mean_std([r["headroom_closed"] for r in done])
         row["time_s"] = statistics.mean(r["summary"]["time/total_s"] for r in done) if done else None
         row["tokens_per_s"] = statistics.mean(m["tokens_per_s"] for r in done for m in r["metrics"]) if done else None
-        table[est] = row
+        table[name] = row
     return table
 
 
@@ -228,6 +295,7 @@ def fmt(stat, digits=4):
 
 def write_markdown(path, report, runs):
     env, table = report["environment"], report["estimators"]
+    column = "variant" if report["vary"] or report["variants"] else "estimator"
     lines = [
         f"{env['date_utc']} · {env['machine']} · torch {env['torch']} · `{report['command']}` · "
         f"total wall time {report['total_wall_s']:.1f} s",
@@ -236,26 +304,26 @@ def write_markdown(path, report, runs):
         f"evaluation prompts before and after training; mean ± std over seeds (Bessel's correction); time: the run's "
         f"time/total_s; headroom closed: (after - before) / ({report['max_reward']:g} - before), sampled reward.",
         "",
-        "| estimator | prompts x responses | reward before (sampled) | after (sampled) | after (greedy) | final KL "
+        f"| {column} | prompts x responses | reward before (sampled) | after (sampled) | after (greedy) | final KL "
         "| time/run (s) | tokens/s | headroom closed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for est, row in table.items():
+    for name, row in table.items():
         time_s = "-" if row["time_s"] is None else f"{row['time_s']:.1f}"
         tps = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.0f}"
-        lines.append(f"| {est} | {row['rollout_batch_size']} x {row['n_samples_per_prompt']} | {fmt(row['reward_before'])} "
+        lines.append(f"| {name} | {row['rollout_batch_size']} x {row['n_samples_per_prompt']} | {fmt(row['reward_before'])} "
                      f"| {fmt(row['reward_after'])} | {fmt(row['greedy_reward_after'])} | {fmt(row['kl_final'])} "
                      f"| {time_s} | {tps} | {fmt(row['headroom_closed'], 3)} |")
     lines += ["", "Per run:", "",
-              "| estimator | seed | reward before | after | after (greedy) | final KL | time (s) |",
+              f"| {column} | seed | reward before | after | after (greedy) | final KL | time (s) |",
               "|---|---|---|---|---|---|---|"]
     for r in runs:
         if r["returncode"] == 0:
             s = r["summary"]
-            lines.append(f"| {r['estimator']} | {r['seed']} | {s['eval/reward_before']:.4f} | {s['eval/reward_after']:.4f} "
+            lines.append(f"| {r['variant']} | {r['seed']} | {s['eval/reward_before']:.4f} | {s['eval/reward_after']:.4f} "
                          f"| {s['eval/greedy_reward_after']:.4f} | {s['kl/final']:.4f} | {s['time/total_s']:.1f} |")
         else:
-            lines.append(f"| {r['estimator']} | {r['seed']} | failed (exit status {r['returncode']}, see "
+            lines.append(f"| {r['variant']} | {r['seed']} | failed (exit status {r['returncode']}, see "
                          f"logs/{os.path.basename(r['dir'])}.log) | | | | |")
     if report["plot"]:
         lines += ["", f"![rollout reward and KL]({report['plot']})"]
@@ -263,8 +331,8 @@ def write_markdown(path, report, runs):
         f.write("\n".join(lines) + "\n")
 
 
-def plot(path, runs, estimators):
-    """Two panels against iteration, rollout reward/mean and kl/mean: per estimator the mean over seeds as a line
+def plot(path, runs, names):
+    """Two panels against iteration, rollout reward/mean and kl/mean: per variant the mean over seeds as a line
     and a min..max band over seeds (over the iterations every seed logged); needs a finished run. Returns False
     without matplotlib."""
     try:
@@ -275,8 +343,8 @@ def plot(path, runs, estimators):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, est in enumerate(estimators):
-        done = [r for r in runs if r["estimator"] == est and r["returncode"] == 0]
+    for i, name in enumerate(names):
+        done = [r for r in runs if r["variant"] == name and r["returncode"] == 0]
         if not done:
             continue
         per_seed = [{m["step"]: m for m in r["metrics"]} for r in done]
@@ -284,7 +352,7 @@ def plot(path, runs, estimators):
         for ax, key in zip(axes, ("reward/mean", "kl/mean")):
             values = [[s[step][key] for s in per_seed] for step in steps]  # [iterations][seeds]
             colour = f"C{i}"
-            ax.plot(steps, [statistics.mean(v) for v in values], color=colour, label=f"{est} ({len(done)} seeds)")
+            ax.plot(steps, [statistics.mean(v) for v in values], color=colour, label=f"{name} ({len(done)} seeds)")
             ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.2, linewidth=0)
     for ax, title in zip(axes, ("rollout reward (mean over the batch)", "KL to reference (nats/token)")):
         ax.set_title(title)
@@ -313,9 +381,10 @@ def main(argv=None):
         if run["returncode"] == 0:
             read_run(run, args.max_reward)
 
+    names = list(dict.fromkeys(run["variant"] for run in runs))  # in plan order
     plotted = False
     if any(run["returncode"] == 0 for run in runs):
-        plotted = plot(os.path.join(args.out, "compare.png"), runs, args.estimators)
+        plotted = plot(os.path.join(args.out, "compare.png"), runs, names)
         if not plotted:
             print("compare.py: matplotlib is not installed, no compare.png (pip install -e \".[plot]\")")
     report = {
@@ -325,11 +394,14 @@ def main(argv=None):
         "samples_per_iteration": args.samples_per_iteration,
         "group_size": args.group_size,
         "seeds": args.seeds,
+        "vary": args.vary,
+        "variants": args.variant,
         "max_reward": args.max_reward,
         "extra_args": args.extra,
         "plot": "compare.png" if plotted else None,
-        "estimators": aggregate(runs, args.estimators),
-        "runs": [{"estimator": r["estimator"], "seed": r["seed"], "dir": r["dir"], "command": r["cmd"],
+        "estimators": aggregate(runs, names),  # per variant (per estimator without --vary / --variant)
+        "runs": [{"variant": r["variant"], "settings": r["settings"], "estimator": r["estimator"], "seed": r["seed"],
+                  "dir": r["dir"], "command": r["cmd"],
                   "returncode": r["returncode"], "wall_s": r["wall_s"], "stderr_tail": r["stderr_tail"],
                   "summary": r.get("summary"), "headroom_closed": r.get("headroom_closed"),
                   "tokens_per_s": r.get("tokens_per_s")} for r in runs],

@@ -1,6 +1,7 @@
 """scripts/compare.py end to end: real `ppo-train` runs at tiny size, its tables recomputed from the runs' own files."""
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -106,3 +107,77 @@ def test_without_matplotlib_still_writes_the_report(tmp_path):
     assert f"| reinforce_pp | 8 x 1 | {s['eval/reward_before']:.4f} ± 0 |" in md  # one seed: "± 0"
     assert read_json(out / "compare.json")["estimators"]["reinforce_pp"]["reward_after"] == {
         "mean": s["eval/reward_after"], "std": 0.0, "n": 1}
+
+
+# ---------------------------------------------------------------------------- --vary: any config key, not only estimators
+
+def load_compare():
+    """scripts/compare.py as a module, for its run plan alone (nothing runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare", COMPARE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vary_crosses_keys_and_names_each_variant_by_its_settings(tmp_path):
+    compare_py = load_compare()
+    args = compare_py.parse_args(["--estimators", "grpo", "--vary", "policy_loss_kind=ppo,gspo", "--vary", "clip_high=0.2,0.28",
+                                  "--seeds", "0", "1", "--out", str(tmp_path / "out"), "--", *TINY])
+    runs = compare_py.run_plan(args)
+    names = ["grpo policy_loss_kind=ppo clip_high=0.2", "grpo policy_loss_kind=ppo clip_high=0.28",
+             "grpo policy_loss_kind=gspo clip_high=0.2", "grpo policy_loss_kind=gspo clip_high=0.28"]
+    assert [(r["variant"], r["seed"]) for r in runs] == [(name, seed) for name in names for seed in (0, 1)]
+    last = runs[-1]
+    assert last["dir"] == str(tmp_path / "out" / "grpo-policy_loss_kind=gspo-clip_high=0.28-seed1")
+    assert last["settings"] == {"adv_estimator": "grpo", "policy_loss_kind": "gspo", "clip_high": "0.28"}
+    assert "--policy_loss_kind=gspo" in last["cmd"] and "--clip_high=0.28" in last["cmd"]
+    # a list of variants, for settings that go together (GSPO and its own clip range), crossed with a --vary key
+    args = compare_py.parse_args(["--estimators", "grpo", "--variant", "", "--variant", "dual_clip=3",
+                                  "--variant", "policy_loss_kind=gspo clip_low=3e-4 clip_high=4e-4", "--vary", "lr=1e-3,5e-4",
+                                  "--seeds", "0", "--out", str(tmp_path / "out"), "--", *TINY])
+    assert [r["variant"] for r in compare_py.run_plan(args)] == [
+        "grpo lr=1e-3", "grpo lr=5e-4", "grpo dual_clip=3 lr=1e-3", "grpo dual_clip=3 lr=5e-4",
+        "grpo policy_loss_kind=gspo clip_low=3e-4 clip_high=4e-4 lr=1e-3", "grpo policy_loss_kind=gspo clip_low=3e-4 clip_high=4e-4 lr=5e-4"]
+    for argv, message in [
+        (["--vary", "dual_clip=0,0.5"], "grpo dual_clip=0.5, seed 0: config key 'dual_clip' must be 0 (off) or > 1"),
+        # crossing makes every combination: GSPO refuses dual-clip, before any run starts
+        (["--vary", "policy_loss_kind=ppo,gspo", "--vary", "dual_clip=0,3"], "grpo policy_loss_kind=gspo dual_clip=3, seed 0: "
+                                                                            "config key 'dual_clip' has no effect"),
+        (["--vary", "seed=1,2"], "--vary seed: compare.py sets it itself (use --seeds)"),
+        (["--variant", "adv_estimator=rloo"], "--variant adv_estimator: compare.py sets it itself (use --estimators)"),
+        (["--vary", "dual_clip=3,3"], "--vary dual_clip: a value is given twice"),
+        (["--vary", "dual_clip"], "--vary takes KEY=VALUE,VALUE,..."),
+        (["--vary", "lr=1e-3,1e-4", "--", "--lr=1e-2"], "--vary lr: also set after --"),
+        (["--variant", "lr=1e-3", "--vary", "lr=1e-4,1e-5"], "--variant 'lr=1e-3': lr is set twice"),
+        (["--variant", "lr=1e-3", "--variant", "lr=1e-3"], "variant 'grpo lr=1e-3' is given twice"),
+    ]:
+        with pytest.raises(compare_py.ArgumentError, match=re.escape(message)):
+            compare_py.run_plan(compare_py.parse_args(["--estimators", "grpo", "--seeds", "0", "--out", str(tmp_path / "x"),
+                                                       *argv]))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
+
+
+def test_vary_a_loss_setting_from_one_initialisation(tmp_path):
+    """ppo against gspo, one estimator and seed, tiny: one table row per variant, each run with its own setting."""
+    out = tmp_path / "out"
+    proc = compare("--estimators", "grpo", "--vary", "policy_loss_kind=ppo,gspo", "--seeds", "0",
+                   "--samples_per_iteration", "8", "--group_size", "4", "--jobs", "2", "--out", str(out), "--", *TINY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (out / "compare.md").read_text()
+    report = read_json(out / "compare.json")
+    befores = set()
+    for kind in ("ppo", "gspo"):
+        run_dir = out / f"grpo-policy_loss_kind={kind}-seed0"
+        config = read_json(run_dir / "config.json")["config"]
+        assert (config["policy_loss_kind"], config["adv_estimator"], config["n_samples_per_prompt"]) == (kind, "grpo", 4)
+        s = read_json(run_dir / "summary.json")
+        assert md.count(f"\n| grpo policy_loss_kind={kind} | 2 x 4 | {s['eval/reward_before']:.4f} ± 0 "
+                        f"| {s['eval/reward_after']:.4f} ± 0 |") == 1
+        row = report["estimators"][f"grpo policy_loss_kind={kind}"]
+        assert row["settings"] == {"adv_estimator": "grpo", "policy_loss_kind": kind}
+        assert row["reward_after"] == {"mean": s["eval/reward_after"], "std": 0.0, "n": 1}
+        befores.add(s["eval/reward_before"])
+    assert len(befores) == 1  # one initialisation, one seed: the same evaluation before training
+    assert md.startswith(report["environment"]["date_utc"]) and "| variant |" in md

@@ -326,3 +326,34 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     assert h1 == pytest.approx(h2, rel=1e-5)
     for name in g1:
         assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("knobs, kernels_called", [
+    ({}, ["linear_policy_loss"]),
+    ({"dual_clip": "3", "entropy_coef": "0.05", "kl_in_reward": "false"}, ["linear_policy_loss"]),
+    ({"policy_loss_kind": "gspo"}, ["linear_token_logprobs"]),
+    ({"fused_kernels": "false"}, []),
+])
+def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, knobs, kernels_called):
+    """The run's first lines say which code computes the policy loss (train.loss_paths); here the real kernels are
+    wrapped to record their calls in one policy_objective, and the line names exactly those (or the reference)."""
+    import ppo_kernels
+
+    calls = []
+    for name in ("linear_policy_loss", "linear_token_logprobs"):
+        real = getattr(ppo_kernels, name)
+        monkeypatch.setattr(ppo_kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    cfg = build_config({}, {**knobs, "rollout_batch_size": "2", "minibatch_size": "2", "micro_batch_size": "2"})
+    policy = load_model(train.DEMO_CHECKPOINT)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 9, 8, 7]])
+    am, rm = torch.ones_like(ids, dtype=torch.bool), torch.ones(2, 3)
+    zeros = torch.zeros(2, 3)
+    agg = dict(agg="token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(2.0))
+    train.policy_objective(policy, ids, am, rm, zeros, zeros + 1, zeros, 2, cfg, 0.1, agg)
+    line = train.loss_paths(cfg, "cpu")
+    policy_part = line.split(";")[0]
+    assert calls == kernels_called, calls
+    if kernels_called:
+        assert policy_part.startswith(f"policy loss: fused {kernels_called[0]} (chunked torch")
+    else:
+        assert line.startswith("the torch reference for every head") and "fused linear" not in line

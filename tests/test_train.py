@@ -64,6 +64,7 @@ def test_run_directory_contents(default_run):
     matmuls = {"float32": "float32", "bf16-mixed": "bfloat16"}[dtype]
     assert cfg["precision"] == {"device": "cpu", "weights": "float32", "matmuls": matmuls, "why": f"dtype='{dtype}'"}
     assert f"precision: float32 {'throughout' if dtype == 'float32' else 'weights, bfloat16 autocast'}" in proc.stderr
+    assert "\nloss paths: policy loss: fused linear_policy_loss (chunked torch; " in proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 61))
     for key in ("reward/mean", "kl/mean", "entropy/mean", "policy/clipfrac", "policy/approx_kl", "value/loss",
