@@ -44,6 +44,8 @@ def sample_from_probs(probs, uniforms):
     probs: [B, V] (need not be normalised); uniforms: [B] in [0, 1). One uniform per row and step,
     so a row's token depends only on its own noise: a batch split across processes samples the same
     tokens as the whole batch in one process (see `global_rows` in generate)."""
+    # torch's use_deterministic_algorithms docstring lists a CUDA float cumsum as raising; torch 2.11's CUDA build
+    # no longer does (it scans deterministically). bench/gpu_first_checks.py runs this under that mode on the GPU.
     cdf = probs.cumsum(-1)  # [B, V]
     threshold = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]  # [B, 1]
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)

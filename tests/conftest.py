@@ -24,7 +24,19 @@ def one_thread():
 
 @pytest.fixture
 def poisoned_empty():
-    """Make every torch.empty NaN-filled (ints: max value), so an output element never written shows up."""
+    """Make every torch.empty NaN-filled (ints: max value), so an output element never written shows up.
+
+    This is where the tests turn torch's deterministic mode on (its fill_uninitialized_memory is the poison), and
+    only here: for the kernel tests that take this fixture (test_kernels_logprobs / _linear / _loss, 9 functions).
+    Neither ppo_core's trainer nor any other test turns it on. While it is on, those tests dispatch (recorded on
+    the CPU, 2026-12-04) elementwise ops, reductions, softmax / log_softmax and their backward, mm / addmm / bmm,
+    gather, index_select, index_copy_, index_put_, scatter_add (gather's backward), nonzero, randn / randint /
+    rand, and on CUDA the Triton kernels and the backward's `addmm` / `mm` with out_dtype=float32. None of them is
+    among the ops torch.use_deterministic_algorithms documents as raising on CUDA; scatter_add, index_copy_ and
+    index_put_ are among those it switches to a deterministic implementation there. ppo_core.generate's sampling
+    uses a CUDA float cumsum, which that docstring (torch 2.11 and 2.13) lists as raising; torch 2.11's CUDA
+    library has no such alert left and scans deterministically (the docstring was corrected upstream later).
+    bench/gpu_first_checks.py runs the sampling and a whole generate call under deterministic mode on the GPU."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
