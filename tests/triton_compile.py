@@ -1,7 +1,7 @@
 """Compile every ppo_kernels Triton kernel for sm_90a (H100/H200) and sm_80 (A100) without a GPU, at the launch
 configurations the public wrappers really use, and report what ptxas says about each variant.
 
-    python tests/triton_compile.py                 # prints the table (about 1-2 min on 2 cores)
+    python tests/triton_compile.py                 # prints the table (20-70 s on 2 cores, with their load)
     python tests/triton_compile.py --json out.json # and writes one record per compiled variant
 
 How the launches are found: `JITFunction.run` (what `kernel[grid](...)` calls) is replaced by a recorder that
@@ -15,8 +15,17 @@ pointers divisible by 16 get `tt.divisibility` 16, integers >= 2^31 become i64) 
 Pointer alignment comes from the CPU tensors: torch's CPU allocator aligns to 64 bytes, CUDA's to 256 or more,
 so a pointer is 16-byte aligned on both exactly when its offset into its storage is.
 `linear_logprobs._sm_count` (the GPU's SM count, which picks the forward's vocabulary splits) is set to the
-card's while recording; it is the one device query on the path. Shapes here give 32-bit integer arguments;
-at N * V >= 2^31 token_logprobs' `stride_outer` would be i64 (not compiled here).
+card's while recording; it is the one device query on the path. The small shapes give 32-bit integer arguments;
+LARGE (N = 16384 tokens, Qwen3's V = 151936, H = 4096: N * V >= 2^31) gives token_logprobs' `stride_outer` as i64,
+as a real batch does. Its logits, hidden states and weights are meta tensors (shapes, strides and a data_ptr of
+storage offset x element size, no memory), so that launch is recorded from the wrappers as the others are.
+
+Each variant records the MMA instructions of its PTX (`wgmma.mma_async... .f32.bf16.bf16`, `mma.sync...`) with
+their operand types, and the input precision its tl.dot asked for (TTIR's `inputPrecision`, "ieee" when absent):
+tests/test_kernels_compile.py requires bf16 MMAs of every bf16 launch and what the precision asks for of every
+fp32 one. PROBES are launches altered to check that rule itself: a real bf16 launch with its operands cast to
+fp32 before tl.dot (it compiles to tf32 MMAs, which the rule must reject) and an fp32 launch asking for tf32.
+They are reported apart and not counted among the variants.
 
 Triton's cache is pointed at a fresh temporary directory, so every variant is compiled (and ptxas run) anew;
 TRITON_DUMP_PTXAS_LOG=1 makes Triton print the `ptxas -v` log of the very ptxas run that built the cubin.
@@ -77,6 +86,18 @@ LOSS_OPTIONS = tuple((dual, kl_coef, kind) for dual in (None, 3.0)
                      for kl_coef, kind in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3")))
 # entropy_coef != 0 in one more linear_policy_loss call per case: the dz kernel's HAS_ENTROPY variant
 ENTROPY_COEF = 0.01
+# (name, tokens N, vocabulary V, hidden H): a real batch whose [N, V] logits pass 2^31 elements (int64 offsets),
+# recorded on meta tensors. linear_policy_loss is not among its calls: its [rows, V] buffers stay below
+# loss.TRITON_LOSS_CHUNK_ELEMENTS (2^26) elements whatever N is, and it picks its rows from the mask's values
+# (nonzero), which meta tensors do not have.
+LARGE = ("large", 16384, 151936, 4096)
+# (what was altered, kernel, dtype of the recorded case, launch keywords replaced, what the rule must say).
+# UPCAST is the kernels' own cast of both tl.dot operands to fp32 (the interpreter's branch): on a bf16 launch it
+# is the edit that loses the bf16 tensor cores while still compiling to tensor-core instructions (tf32 ones).
+PROBES = (
+    ("bf16 operands cast to fp32 before tl.dot", "_linear_fwd_kernel", "bf16", {"UPCAST": True}, "reject"),
+    ("fp32 operands, tl.dot asks for tf32", "_linear_fwd_kernel", "fp32", {"PRECISION": "tf32"}, "accept"),
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,6 +177,22 @@ def exercise_wrappers():
                         kl_kind=kl_kind, entropy_coef=entropy_coef)
                 loss_value.backward()
 
+    # LARGE: one call of each logits wrapper, both gradients, every row kept (meta tensors cannot select rows)
+    shape_name, N, V, H = LARGE
+    labels = torch.randint(0, V, (N,), generator=gen)  # a real CPU tensor: _check_labels reads it
+    for dtype_name, dtype, autocast in DTYPES:
+        if autocast:  # autocast does not apply to meta tensors
+            continue
+        yield f"token_logprobs {shape_name} {dtype_name}"
+        logits = torch.empty(N, V, dtype=dtype, device="meta", requires_grad=True)  # [N, V]: stride_outer = N * V
+        backward_through(*logprobs.token_logprobs_triton(logits, labels, temperature=TEMPERATURE,
+                                                         return_entropy=True), True, True)
+        yield f"linear_token_logprobs {shape_name} {dtype_name}"
+        hidden = torch.empty(N, H, dtype=dtype, device="meta", requires_grad=True)
+        weight = torch.empty(V, H, dtype=dtype, device="meta", requires_grad=True)
+        backward_through(*linear_logprobs.linear_token_logprobs_triton(
+            hidden, weight, labels, temperature=TEMPERATURE, return_entropy=True), True, True)
+
 
 def record_launches(sm_count):
     """[(kernel, args, kwargs, case)] of every `kernel[grid](...)` the wrappers make, none of them launched."""
@@ -231,8 +268,35 @@ def _ptxas_numbers(log, name):
                 spill_loads=int(spills.group(3)), static_shared=int(smem.group(1)) if smem else 0)
 
 
+PTX_TYPES = ("f64", "f32", "tf32", "bf16", "f16", "e4m3", "e5m2", "s32", "s8", "u8")
+
+
+def mma_instructions(ptx):
+    """{opcode: (family, A type, B type)} of the PTX's tensor-core MMAs, e.g.
+    'wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16': ('wgmma', 'bf16', 'bf16'),
+    'mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32': ('mma.sync', 'tf32', 'tf32').
+
+    Both forms list the types after the shape as D, A, B[, C].
+    """
+    found = {}
+    for opcode in set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)(?:\.\w+)+", ptx)):
+        types = [part for part in opcode.split(".") if part in PTX_TYPES]
+        found[opcode] = ("wgmma" if opcode.startswith("wgmma") else "mma.sync", types[1], types[2])
+    return found
+
+
+def dot_precisions(ttir):
+    """The input precision each tt.dot of the TTIR asks for; the TTIR omits the default, "ieee"."""
+    precisions = []
+    for line in ttir.splitlines():
+        if re.search(r"=\s*tt\.dot\s", line):
+            asked = re.search(r"inputPrecision = (\w+)", line)
+            precisions.append(asked.group(1) if asked else "ieee")
+    return precisions
+
+
 def compile_launch(kernel, signature, constexprs, attrs, options, target):
-    """Compile one specialised launch; returns ptxas' numbers, shared memory and the tensor-core instruction."""
+    """Compile one specialised launch; returns ptxas' numbers, shared memory and the tensor-core instructions."""
     log = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG=1: Triton prints ptxas' log here
@@ -241,9 +305,13 @@ def compile_launch(kernel, signature, constexprs, attrs, options, target):
     seconds = time.perf_counter() - start
     ptx = compiled.asm["ptx"]
     ptx_target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
-    instructions = [instr for instr in ("wgmma", "mma.sync") if re.search(rf"\b{re.escape(instr)}\b", ptx)]
+    mma = mma_instructions(ptx)
     result = dict(ptx_target=ptx_target, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
-                  num_stages=compiled.metadata.num_stages, tensor_core=" ".join(instructions) or "-",
+                  num_stages=compiled.metadata.num_stages,
+                  mma=sorted(mma), mma_kinds=sorted(set(mma.values())),  # e.g. [("wgmma", "bf16", "bf16")]
+                  dot_precisions=sorted(set(dot_precisions(compiled.asm["ttir"]))),
+                  tensor_core=" ".join(sorted({f"{family}.{a}" if a == b else f"{family}.{a}.{b}"
+                                               for family, a, b in mma.values()})) or "-",
                   compile_s=round(seconds, 2))
     result.update(_ptxas_numbers(log.getvalue(), compiled.metadata.name))
     return result
@@ -284,17 +352,25 @@ def _compile_job(index):
         return dict(error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
 
 
+def _variant_key(kernel, signature, constexprs, attrs, options):
+    return json.dumps([kernel.__name__, signature, sorted(map(str, constexprs.items())),
+                       sorted(map(str, attrs.items())), sorted(map(str, options.__dict__.items()))])
+
+
 def run_all(jobs=1, log=print):
-    """Record, specialise and compile every distinct launch for every arch. Returns one dict per variant."""
-    rows = []
+    """Record, specialise and compile every distinct launch for every arch, and the PROBES.
+
+    Returns (variants, probes): one dict per distinct launch and arch, one per probe and arch.
+    """
+    rows, probes = [], []
     for arch, (capability, sm_count, shared_limit) in ARCHS.items():
         target = GPUTarget("cuda", capability, 32)
         backend = make_backend(target)
         variants = {}  # specialisation key -> row
-        for kernel, args, kwargs, case in record_launches(sm_count):
+        launches = record_launches(sm_count)
+        for kernel, args, kwargs, case in launches:
             signature, constexprs, attrs, options = specialise(kernel, args, kwargs, backend)
-            key = json.dumps([kernel.__name__, signature, sorted(map(str, constexprs.items())),
-                              sorted(map(str, attrs.items())), sorted(map(str, options.__dict__.items()))])
+            key = _variant_key(kernel, signature, constexprs, attrs, options)
             dtype = case.split()[-1]
             if key not in variants:
                 _JOBS.append((kernel, signature, constexprs, attrs, options, target))
@@ -311,18 +387,28 @@ def run_all(jobs=1, log=print):
         for row in variants.values():
             row["cases"], row["dtypes"] = sorted(row["cases"]), sorted(row["dtypes"])
             rows.append(row)
+        for what, kernel_name, dtype, replaced, verdict in PROBES:  # the first launch of that kernel and dtype
+            kernel, args, kwargs, case = next(launch for launch in launches if launch[0].__name__ == kernel_name
+                                              and launch[3].split()[-1] == dtype)
+            twin = variants[_variant_key(kernel, *specialise(kernel, args, kwargs, backend))]
+            signature, constexprs, attrs, options = specialise(kernel, args, {**kwargs, **replaced}, backend)
+            _JOBS.append((kernel, signature, constexprs, attrs, options, target))
+            probes.append(dict(probe=what, expect=verdict, kernel=kernel_name, arch=arch, case=case,
+                               operands=operand_dtype(signature), spec=describe(kernel, constexprs),
+                               uses_dot=uses_dot(kernel), job=len(_JOBS) - 1, twin_job=twin["job"], error=None))
     # the matmul kernels first: they take ~1-2 s each, the others ~0.1-0.3 s
-    order = sorted(range(len(rows)), key=lambda i: not rows[i]["uses_dot"])
+    records = sorted(rows + probes, key=lambda r: not r["uses_dot"])
     if jobs > 1:  # fork: the workers inherit _JOBS (kernels, tensors' specialisations) without pickling them
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = dict(zip(order, pool.map(_compile_job, [rows[i]["job"] for i in order])))
+            results = list(pool.map(_compile_job, [r["job"] for r in records]))
     else:
-        results = {i: _compile_job(rows[i]["job"]) for i in order}
-    for i, row in enumerate(rows):
-        row.update(results[i])
+        results = [_compile_job(r["job"]) for r in records]
+    for record, result in zip(records, results):
+        record.update(result)
+    for row in rows:
         log(f"FAILED {row['kernel']} {row['arch']}: {row['error'][:300]}" if row["error"] else
             f"compiled {row['kernel']} {row['arch']} {row['operands']} in {row['compile_s']} s")
-    return rows
+    return rows, probes
 
 
 def table(rows):
@@ -354,13 +440,25 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: every variant is compiled, ptxas run
         start = time.perf_counter()
-        rows = run_all(args.jobs, log=lambda line: print(line, file=sys.stderr))
+        rows, probes = run_all(args.jobs, log=lambda line: print(line, file=sys.stderr))
         seconds = time.perf_counter() - start
     print(table(rows))
-    print(f"{len(rows)} variants in {seconds:.0f} s (triton {triton.__version__})")
+    for probe in probes:
+        print(f"probe ({probe['probe']}; the rule must {probe['expect']} it): {probe['kernel']} {probe['arch']} "
+              f"{probe['spec']}: " + (probe["error"] or f"MMA {', '.join(probe['mma']) or 'none'}; tl.dot asks "
+                                      f"for {', '.join(probe['dot_precisions'])}"))
+    compiled = [r for r in rows if not r["error"]]
+    per_arch = ", ".join(f"{arch}: {sum(r['arch'] == arch for r in rows)}" for arch in ARCHS)
+    summary = (f"{len(rows)} variants ({per_arch}), {len(rows) - len(compiled)} failed to compile, + {len(probes)} "
+               f"probes, in {seconds:.0f} s, triton {triton.__version__}")
+    if compiled:
+        most = max(compiled, key=lambda r: r["registers"])
+        summary += f"; most registers: {most['registers']} ({most['kernel']} {most['arch']} {most['operands']})"
+    print(summary)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, kernels=all_kernels(), triton=triton.__version__, seconds=seconds), f)
+            json.dump(dict(rows=rows, probes=probes, kernels=all_kernels(), triton=triton.__version__,
+                           seconds=seconds, summary=summary), f)
 
 
 if __name__ == "__main__":
