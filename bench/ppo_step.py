@@ -230,7 +230,7 @@ def attention_passes(ckpt, device, batch, prompt_len, new):
             train.response_values(critic, ids, am, P)
 
     @torch.no_grad()
-    def reward_score():  # a reward model reads prompt + response right-padded (rewards.RewardModelReward)
+    def reward_score():  # a reward model reads prompt + response right-padded (reward_model.RewardModelReward)
         right = torch.zeros_like(ids)
         right_mask = torch.zeros_like(am)
         for row in range(batch):

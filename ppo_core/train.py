@@ -44,7 +44,8 @@ from .generate import generate
 from .model import CheckpointError, load_model, load_score_model, onednn_bf16_supported
 from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out, where_is
 from .remote_reward import RewardUnavailable
-from .rewards import RewardError, make_reward_source
+from .reward_source import make_reward_source
+from .rewards import RewardError
 from .tasks import PromptStream, eval_prompts
 from .tokenizer import UnknownTextError, load_tokenizer
 from . import runlog, tracking

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import ppo_core.train as train
 from ppo_core.config import build_config
 from ppo_core.model import load_model
-from ppo_core.rewards import make_reward_source
+from ppo_core.reward_source import make_reward_source
 from ppo_core.tasks import PromptStream, eval_prompts, reverse_reward
 from ppo_core.tokenizer import load_tokenizer
 

@@ -44,7 +44,7 @@ import ppo_kernels
 from ppo_core import train
 from ppo_core.config import build_config
 from ppo_core.model import load_model, load_score_model
-from ppo_core.rewards import make_reward_source
+from ppo_core.reward_source import make_reward_source
 from ppo_core.tasks import eval_prompts
 from ppo_core.tokenizer import load_tokenizer
 
