@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import ppo_core.train as train
 from ppo_core.config import build_config
 from ppo_core.model import load_model
+from ppo_core.precision import loss_paths
 from ppo_core.reward_source import make_reward_source
 from ppo_core.tasks import PromptStream, eval_prompts, reverse_reward
 from ppo_core.tokenizer import load_tokenizer
@@ -335,8 +336,9 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     ({"fused_kernels": "false"}, []),
 ])
 def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, knobs, kernels_called):
-    """The run's first lines say which code computes the policy loss (train.loss_paths); here the real kernels are
-    wrapped to record their calls in one policy_objective, and the line names exactly those (or the reference)."""
+    """The run's first lines say which code computes the policy loss (ppo_core.precision.loss_paths); here the real
+    kernels are wrapped to record their calls in one policy_objective, and the line names exactly those (or the
+    reference)."""
     import ppo_kernels
 
     calls = []
@@ -350,7 +352,7 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     zeros = torch.zeros(2, 3)
     agg = dict(agg="token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(2.0))
     train.policy_objective(policy, ids, am, rm, zeros, zeros + 1, zeros, 2, cfg, 0.1, agg)
-    line = train.loss_paths(cfg, "cpu")
+    line = loss_paths(cfg, "cpu")
     policy_part = line.split(";")[0]
     assert calls == kernels_called, calls
     if kernels_called:
