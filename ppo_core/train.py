@@ -1,4 +1,4 @@
-"""The training loop: rollout -> score -> rewards -> advantages -> ppo_epochs of clipped updates.
+"""ppo-train: one PPO run. `run` is the outline, top to bottom; the parts it calls follow it in its order.
 
     ppo-train                                    # the default job: the shipped demo checkpoint, CPU, ~30 s
     ppo-train --adv_estimator=grpo --n_samples_per_prompt=8       # GRPO on the same task, no critic
@@ -6,24 +6,29 @@
 
 One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO"):
   1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
-               filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)
-  2. score:    the reward function or model gives one scalar per response
+               filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)       ppo_core.rollout
+  2. score:    the reward function or model gives one scalar per response                   ppo_core.reward_source
   3. forward:  old log-probs and entropy (policy), reference log-probs, values (critic, if any), all with the
                training code path, so the first minibatch's ratio is 1 up to the order of a log-sum-exp (measured
                as policy/first_ratio_max_dev: 0.0 for the CPU demo, ~1e-6 at large vocabularies, ~1e-3 on a GPU
-               under bf16 autocast, where GEMM and attention kernels are chosen by batch shape)
+               under bf16 autocast, where GEMM and attention kernels are chosen by batch shape)  ppo_core.rollout
   4. rewards:  penalties on the raw score (missing EOS, overlong), optional whitening and clipping; then
-               r_t = -beta * KL_t on every token, + the score on the last real token (ppo_core.algo)
-  5. advantages, by cfg.adv_estimator (ppo_core.algo): GAE with the critic's values, whitened over the batch;
-               or critic-free: the group-relative baselines of GRPO / Dr. GRPO / RLOO / REINFORCE++-baseline
-               over each response's total reward, or REINFORCE++'s whitened discounted return
+               r_t = -beta * KL_t on every token, + the score on the last real token   ppo_core.update, ppo_core.algo
+  5. advantages, by cfg.adv_estimator: GAE with the critic's values, whitened over the batch; or critic-free: the
+               group-relative baselines of GRPO / Dr. GRPO / RLOO / REINFORCE++-baseline over each response's total
+               reward, or REINFORCE++'s whitened discounted return                     ppo_core.update, ppo_core.algo
   6. update:   ppo_epochs over shuffled minibatches (stopped early past target_kl), gradient accumulation over
                micro-batches, the clipped surrogate (PPO's token ratio or GSPO's sequence ratio, + entropy bonus,
                + KL loss term) for the policy, the clipped value loss for the critic, AdamW, warm-up + cosine LR;
-               the first critic_warmup iterations train the critic alone
+               the first critic_warmup iterations train the critic alone                               ppo_core.update
 Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
-Steps 1-3 are ppo_core.rollout's, 4-6 ppo_core.update's; this file sets the run up and loops.
+
+Here: `run`; the set-up, each part a named function (build_models, make_reward_sources, prompt_rows and
+check_prompts, open_run_dir); an iteration's metrics and samples; `Checkpoints`, which saves and resumes the run and
+stops it early with what the README documents (a reward server down: a checkpoint and exit status 3; SIGTERM /
+SIGINT: a checkpoint and 143); and the command line, `main`.
 """
+import contextlib
 import dataclasses
 import os
 import random
@@ -35,6 +40,7 @@ import torch
 
 from . import algo, checkpoint, lora
 from . import distributed as dist
+from . import runlog, tracking
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
 from .model import CheckpointError, load_model, load_score_model
 from .precision import loss_paths, precision_line, resolve_precision
@@ -47,30 +53,105 @@ from .rollout import (evaluate, iteration_rollout, needs_reference_responses, pr
 from .tasks import PromptStream, eval_prompts
 from .tokenizer import UnknownTextError, load_tokenizer
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
-from . import runlog, tracking
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
 DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT, "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo")}
 
 
-# ---------------------------------------------------------------------------- the run
+def run(cfg: PPOConfig, resume_from=None):
+    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input. resume_from: a
+    run directory to continue (its config is `cfg`); without it, a run directory that already holds a checkpoint of
+    the same config is resumed too (what a retried container needs)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
+    precision = resolve_precision(cfg)
+    autocast = precision.autocast
+    rank, world, device = dist.init(precision.device)
 
-def prompt_rows(cfg: PPOConfig):
-    """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat "messages" and any
-    extra columns (ppo_core.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
-    eval_prompts_file is given), or the built-in task's seeded prompt stream and held-out set."""
-    if not cfg.prompts_file:
-        held_out = [{"prompt": p} for p in eval_prompts(cfg.eval_size, cfg.seed, cfg.task)]
-        return [], held_out, PromptStream(cfg.seed, [r["prompt"] for r in held_out], cfg.task)
-    try:
-        train_rows = load_rows(cfg.prompts_file)
-        if cfg.eval_prompts_file:
-            held_out = load_rows(cfg.eval_prompts_file)[: cfg.eval_size]
-        else:  # hold out the file's last eval_size prompts (at most half of it)
-            train_rows, held_out = split_held_out(train_rows, cfg.eval_size)
-    except PromptsError as e:
-        raise ConfigError(f"config key 'prompts_file': {e}") from None
-    return train_rows, held_out, RowStream(train_rows, cfg.seed)
+    # Set up. Everything that can be wrong with the input is checked before the run directory is touched.
+    check_process_count(cfg, world)
+    runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
+    tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, precision.param_dtype)
+    check_chat_template(cfg, tokenizer, policy_path)
+    reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
+    policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
+    train_rows, held_out, stream = prompt_rows(cfg)
+    check_prompts(cfg, tokenizer, policy, train_rows, held_out, reward_source, eval_source)
+    run_dir, ckpt, log, tracker = open_run_dir(cfg, policy_path, resume_from, precision)
+
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the rollouts' sampling noise
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
+    opts = Optimizers(policy, critic, cfg, cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
+    kl_ctl = kl_controller(cfg)
+    eval_seed = cfg.seed + 12345  # every evaluation samples with the same noise
+    if needs_reference_responses(cfg) and eval_source is reward_source:  # the held-out rows' references, sampled once
+        held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg, eval_seed + 1, autocast)
+    def evaluate_policy(greedy=False):  # the mean reward over the held-out rows
+        return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy, autocast=autocast)
+    ckpts = Checkpoints(cfg, run_dir, log, tracker, policy, critic, tokenizer, opts,
+                        {"sample": sample_gen, "shuffle": shuffle_gen}, kl_ctl, stream)
+    state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
+
+    if ckpt is not None:
+        start_iter = ckpts.resume(ckpt)
+    else:
+        start_iter = 0
+        log_first_lines(log, cfg, policy_path, policy, world, device, run_dir, precision, train_rows, held_out)
+        with ckpts.stopped_if_server_down("during the evaluation before training; nothing saved yet; start again "
+                                          f"with: ppo-train --resume {run_dir.path}"):
+            state["eval_before"], state["eval_before_greedy"] = evaluate_policy(), evaluate_policy(greedy=True)
+        log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
+                 f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - ckpts.t0:.1f}s]")
+    if "pending_metrics" in state:  # the run stopped in iteration start_iter's evaluation (server down): finish it
+        ckpts.finish_pending_iteration(start_iter, evaluate_policy)
+
+    with runlog.StopSignals() as stop:
+        for it in log.iterations(cfg.iterations, start_iter):
+            with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
+                opts.start_iteration(it)
+                t_roll = time.perf_counter()
+                rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
+                                                                 reward_source, cfg, sample_gen, autocast)  # 1-3
+            kl_coef = kl_ctl.value
+            compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
+            t_train = time.perf_counter()
+            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step,
+                                     train_policy=it >= cfg.critic_warmup)  # 6
+            metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg,
+                                        seconds=(t_roll, t_train, time.perf_counter()))
+            state["last_kl"] = metrics["kl/mean"]
+            kl_ctl.update(state["last_kl"], rollout_rows(cfg))
+            if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
+                # a reward server down keeps the update (saved), its samples and the metrics a resume completes
+                with ckpts.saved_if_server_down(it + 1, f" in the evaluation of iteration {it + 1}", pending=metrics,
+                                                samples=(it, rollout.sampled)):
+                    metrics["eval/reward"] = evaluate_policy()
+            log.metrics(metrics)
+            tracker.log(metrics, it + 1)
+            write_samples(cfg, run_dir, tracker, it, rollout.sampled)
+            if it + 1 == cfg.iterations or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
+                ckpts.save(it + 1)
+            ckpts.stop_if_requested(stop, it + 1)
+
+    with ckpts.stopped_if_server_down(f"during the final evaluation; the final checkpoint (iteration {cfg.iterations}) "
+                                      f"is in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}"):
+        after, after_greedy = evaluate_policy(), evaluate_policy(greedy=True)
+    summary = run_summary(ckpts, after, after_greedy, len(held_out))
+    run_dir.write_summary(summary)
+    log.close(), tracker.close()
+    log.table(summary, cfg)
+    return summary
+
+
+# ---------------------------------------------------------------------------- set-up
+
+def check_process_count(cfg: PPOConfig, world):
+    """Every process holds an equal share of a rollout and of each minibatch."""
+    if rollout_rows(cfg) % world or cfg.minibatch_size % world:
+        raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
+                          f"multiples of the number of processes ({world})")
 
 
 def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
@@ -85,7 +166,7 @@ def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
         for model in trainable:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha or None, generator=init)
     if cfg.lora_rank and not cfg.reference:
-        reference = policy  # the base weights: the policy with its adapters off (see reference_logprobs)
+        reference = policy  # the base weights: the policy with its adapters off (see rollout.reference_logprobs)
     else:
         reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
     if tokenizer.vocab_size > policy.args.vocab_size:
@@ -93,6 +174,27 @@ def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
     for model in trainable:
         model.model.gradient_checkpointing = cfg.gradient_checkpointing
     return tokenizer, policy, critic, reference
+
+
+def check_chat_template(cfg: PPOConfig, tokenizer, policy_path):
+    """With cfg.chat_template, the policy's tokenizer must have a chat template to render prompts with."""
+    if cfg.chat_template:
+        try:
+            tokenizer.get_chat_template()
+        except ValueError as e:  # none at all, or several and no default
+            raise ConfigError(f"config key 'chat_template': the policy {policy_path} cannot render a chat: {e}; "
+                              f"add chat_template.jinja, or drop --chat_template") from None
+
+
+def make_reward_sources(cfg: PPOConfig, device, param_dtype):
+    """(the training reward source, the source that scores the held-out evaluations): the evaluations' is the training
+    reward, or cfg.eval_reward_fn alone when it is set (ppo_core.reward_source)."""
+    reward_source = make_reward_source(cfg, device, param_dtype)
+    eval_source = reward_source
+    if cfg.eval_reward_fn:
+        eval_source = make_reward_source(dataclasses.replace(cfg, reward_fn=[cfg.eval_reward_fn], reward_weights=[],
+                                                             reward_model="", reward_url=[], judge=""))
+    return reward_source, eval_source
 
 
 def spread_over_processes(policy, critic, reference, reward_source, cfg, device):
@@ -114,6 +216,153 @@ def spread_over_processes(policy, critic, reference, reward_source, cfg, device)
             dist.shard(reward_source.model, device, root=False)
     return policy, critic
 
+
+def prompt_rows(cfg: PPOConfig):
+    """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat "messages" and any
+    extra columns (ppo_core.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
+    eval_prompts_file is given), or the built-in task's seeded prompt stream and held-out set."""
+    if not cfg.prompts_file:
+        held_out = [{"prompt": p} for p in eval_prompts(cfg.eval_size, cfg.seed, cfg.task)]
+        return [], held_out, PromptStream(cfg.seed, [r["prompt"] for r in held_out], cfg.task)
+    try:
+        train_rows = load_rows(cfg.prompts_file)
+        if cfg.eval_prompts_file:
+            held_out = load_rows(cfg.eval_prompts_file)[: cfg.eval_size]
+        else:  # hold out the file's last eval_size prompts (at most half of it)
+            train_rows, held_out = split_held_out(train_rows, cfg.eval_size)
+    except PromptsError as e:
+        raise ConfigError(f"config key 'prompts_file': {e}") from None
+    return train_rows, held_out, RowStream(train_rows, cfg.seed)
+
+
+def check_prompts(cfg: PPOConfig, tokenizer, policy, train_rows, held_out, reward_source, eval_source):
+    """The prompts against what reads them: the columns each reward source needs are there (or will be sampled: a
+    pairwise judge's reference responses), no column would hide one of samples.jsonl's own, and every prompt encodes
+    and leaves room in the policy's context for max_new_tokens. A ConfigError or RewardError names the first misfit."""
+    columns = set(columns_of(train_rows + held_out)) | ({cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
+    reward_source.check_columns(sorted(columns))  # a column the reward needs is there (or will be sampled)
+    if eval_source is not reward_source:
+        eval_source.check_columns(sorted(set(columns_of(held_out))))
+    clash = [c for c in columns_of(train_rows) if c in ("step", "response", "reward") or c.startswith("reward/")]
+    if cfg.log_samples_every and clash:
+        raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
+                          f"samples.jsonl's own '{clash[0]}'; rename that column")
+    context = policy.args.max_position_embeddings
+    for row in held_out + train_rows:
+        try:
+            n = len(prompt_token_ids(tokenizer, row, cfg))
+        except UnknownTextError as e:  # a character the vocabulary lacks, and no unknown token: name its file and row
+            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+            raise ConfigError(f"{where_is(row, files)}: {e}") from None
+        if n + cfg.max_new_tokens > context:
+            raise ConfigError(f"prompt {prompt_text(row)[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} "
+                              f"it exceeds the model's context of {context} tokens")
+
+
+def open_run_dir(cfg: PPOConfig, policy_path, resume_from, precision):
+    """The run directory (ppo_core.runlog.RunDir), new or continued, its metrics and samples cut back to its latest
+    checkpoint; the log and the trackers open on it. -> (run_dir, latest checkpoint or None, log, tracker)."""
+    run_dir = runlog.RunDir.open(cfg, policy_path, resume_from, precision.describe())
+    ckpt = run_dir.latest_checkpoint()
+    # Metrics of iterations after the checkpoint belong to work a resume redoes.
+    done = 0 if ckpt is None else checkpoint.checkpoint_step(ckpt)
+    run_dir.truncate_metrics(done)
+    tracking.truncate_samples(run_dir.path, done)
+    log = runlog.Logger(run_dir, progress=cfg.progress)
+    if run_dir.replaced:  # a run that stopped before its first checkpoint, started again with another config
+        log.info(run_dir.replaced)
+    if run_dir.precision_changed:
+        log.info(run_dir.precision_changed)
+    tracker = tracking.Tracker(cfg.report_to, run_dir.path, {**to_dict(cfg), "policy": policy_path, "out": run_dir.path},
+                               os.path.basename(os.path.normpath(run_dir.path)), resume_step=done)
+    return run_dir, ckpt, log, tracker
+
+
+def kl_controller(cfg: PPOConfig):
+    """The KL coefficient beta: adaptive towards cfg.kl_target (Ziegler et al. 2019), or fixed at cfg.kl_coef."""
+    return (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
+            else algo.FixedKLController(cfg.kl_coef))
+
+
+def log_first_lines(log, cfg: PPOConfig, policy_path, policy, world, device, run_dir, precision, train_rows, held_out):
+    """What a new run says first: the policy and where it runs, its precision, its loss paths, its prompts."""
+    log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
+             f"run dir {run_dir.path}")
+    log.info(f"precision: {precision_line(precision)}")
+    log.info(f"loss paths: {loss_paths(cfg, device)}")
+    if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
+        where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
+        log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
+
+
+# ---------------------------------------------------------------------------- an iteration's record
+
+def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg: PPOConfig, seconds):
+    """Iteration `it`'s line of metrics.jsonl, over the global batch (every process's rows gathered). seconds: the
+    time.perf_counter() readings at the rollout's start, the update's start and its end."""
+    t_roll, t_train, t_end = seconds
+    generate_s = filter_stats.pop("time/generate_s")
+    mask = dist.all_gather_rows(rollout.response_mask)
+    old_lp, ref_lp = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
+    scores = dist.all_gather_rows(rollout.scores)
+    advantages, returns = dist.all_gather_rows(rollout.advantages), dist.all_gather_rows(rollout.returns)
+    kl_tok = algo.kl_estimate(old_lp, ref_lp, "k1")
+    metrics = {
+        "step": it + 1,
+        "reward/mean": scores.mean().item(),
+        "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+        "kl/mean": algo.masked_mean(kl_tok, mask).item(),
+        "kl/k3_mean": algo.masked_mean(algo.kl_estimate(old_lp, ref_lp, "k3"), mask).item(),
+        "kl/seq_mean": (kl_tok * mask).sum(-1).mean().item(),
+        "kl/coef": kl_coef,
+        "entropy/mean": algo.masked_mean(dist.all_gather_rows(rollout.entropy), mask).item(),
+        **train_stats,
+        **filter_stats,
+        "train/skipped_updates": opts.skipped,
+        "advantages/mean": algo.masked_mean(advantages, mask).item(),
+        "advantages/std": algo.masked_var(advantages, mask).sqrt().item(),
+        "returns/mean": algo.masked_mean(returns, mask).item(),
+        "returns/std": algo.masked_var(returns, mask).sqrt().item(),
+        "response/length_mean": mask.sum(-1).mean().item(),
+        "response/eos_frac": dist.all_gather_rows(ended).float().mean().item(),
+        "lr": cfg.lr * opts.lr_scales(max(0, opts.step_count - 1))[0],
+        "time/rollout_s": t_train - t_roll,
+        "time/generate_s": generate_s,  # the rollout's decoding; the rest of it is time/score_s
+        "time/score_s": t_train - t_roll - generate_s,  # reward, old/reference log-probs, values, advantages
+        "time/train_s": t_end - t_train,
+        "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
+    }
+    if critic is not None:
+        metrics["value/explained_var"] = algo.explained_variance(dist.all_gather_rows(rollout.old_values), returns, mask)
+    return metrics
+
+
+def write_samples(cfg: PPOConfig, run_dir, tracker, it, sampled):
+    """Every cfg.log_samples_every iterations: iteration `it`'s samples to samples.jsonl and the trackers."""
+    if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
+        samples = sample_rows(sampled)
+        tracking.write_samples(run_dir.path, samples, it + 1)
+        tracker.log_samples(samples, it + 1)
+
+
+def run_summary(ckpts, after, after_greedy, prompts) -> dict:
+    """summary.json: the held-out reward before and after training, the final KL, the run's length and time."""
+    cfg, state = ckpts.cfg, ckpts.state
+    return {
+        "eval/reward_before": state["eval_before"],
+        "eval/reward_after": after,
+        "eval/greedy_reward_before": state["eval_before_greedy"],
+        "eval/greedy_reward_after": after_greedy,
+        "eval/prompts": prompts,
+        "kl/final": state["last_kl"],
+        "iterations": cfg.iterations,
+        "skipped_updates": ckpts.opts.skipped,
+        "checkpoint": os.path.join(ckpts.run_dir.path, "checkpoints", f"step-{cfg.iterations}"),
+        "time/total_s": ckpts.elapsed(),  # the whole run's, across resumes
+    }
+
+
+# ---------------------------------------------------------------------------- checkpoints and early stops
 
 class StopRequested(Exception):
     """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops."""
@@ -150,244 +399,118 @@ def resume_point(stream, generators, opts):
     return restore
 
 
-def run(cfg: PPOConfig, resume_from=None):
-    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input.
+class Checkpoints:
+    """The run's checkpoints: saving one, resuming from one, and the early stops, which save one where there is
+    something to save and raise what main() turns into the exit status the README documents.
 
-    resume_from: a run directory to continue (its config is `cfg`). Without it, a run directory that
-    already holds a checkpoint of the same config is resumed too (what a retried container needs)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
-    precision = resolve_precision(cfg)
-    param_dtype, autocast = precision.param_dtype, precision.autocast
-    rank, world, device = dist.init(precision.device)
-    if rollout_rows(cfg) % world or cfg.minibatch_size % world:
-        raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
-                          f"multiples of the number of processes ({world})")
+    A checkpoint (ppo_core.checkpoint) holds the policy and critic with their optimizers, the generators and every RNG,
+    and `state`: the optimizer step count and skipped updates, the KL controller, the prompt stream's position, the
+    evaluations before training, the last iteration's mean KL, the run's wall time so far and, when a reward server
+    failed an iteration's evaluation, that iteration's metrics ("pending_metrics"), which a resume completes."""
 
-    # Everything that can be wrong with the input is checked before the run directory is touched.
-    runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
-    tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, param_dtype)
-    if cfg.chat_template:
+    def __init__(self, cfg: PPOConfig, run_dir, log, tracker, policy, critic, tokenizer, opts, generators, kl_ctl, stream):
+        self.cfg, self.run_dir, self.log, self.tracker = cfg, run_dir, log, tracker
+        self.policy, self.critic, self.tokenizer, self.sharded = policy, critic, tokenizer, dist.is_sharded(policy)
+        self.opts, self.generators, self.kl_ctl, self.stream = opts, generators, kl_ctl, stream
+        self.state = {"last_kl": 0.0}  # + eval_before(_greedy); a resume loads the saved one into this dict (see save)
+        self.t0 = time.perf_counter()
+
+    def elapsed(self):
+        """Seconds of this run so far: the segments before a resume, and this one."""
+        return self.state.get("elapsed_s", 0.0) + time.perf_counter() - self.t0
+
+    def resume(self, ckpt) -> int:
+        """Checkpoint `ckpt` put back into the models, optimizers, generators, KL controller, prompt stream and `state`;
+        -> the iteration it was saved at."""
+        opts = self.opts
+        self.state.clear()  # the same dict, loaded in place: the loop holds it
+        self.state.update(checkpoint.load_training_state(ckpt, policy=self.policy, critic=self.critic,
+                                                         policy_opt=opts.policy_opt, critic_opt=opts.critic_opt,
+                                                         generators=self.generators, sharded=self.sharded))
+        opts.step_count, opts.skipped = self.state["optimizer_step"], self.state["skipped_updates"]
+        self.kl_ctl.load_state_dict(self.state["kl_controller"])
+        self.stream.load_state_dict(self.state["prompt_stream"])
+        self.log.info(f"resuming {self.run_dir.path} from {ckpt} (iteration {self.state['step']} of {self.cfg.iterations})")
+        return self.state["step"]
+
+    def save(self, step):
+        """Write checkpoints/step-{step}: the models, optimizers, generators and RNGs, and `state` (ppo_core.checkpoint)."""
+        opts, state = self.opts, self.state
+        return self.run_dir.save_checkpoint(step, sharded=self.sharded, policy=self.policy, critic=self.critic,
+                                            tokenizer=self.tokenizer, policy_opt=opts.policy_opt,
+                                            critic_opt=opts.critic_opt, generators=self.generators,
+                                            state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
+                                                   "kl_controller": self.kl_ctl.state_dict(),
+                                                   "prompt_stream": self.stream.state_dict(),
+                                                   "eval_before": state["eval_before"],
+                                                   "eval_before_greedy": state["eval_before_greedy"],
+                                                   "last_kl": state["last_kl"], "elapsed_s": self.elapsed(),
+                                                   **({"pending_metrics": state["pending_metrics"]}
+                                                      if "pending_metrics" in state else {})},
+                                            keep=self.cfg.keep_checkpoints)
+
+    def close(self):
+        """The log and the trackers closed: the run ends here."""
+        self.log.close(), self.tracker.close()
+
+    def saved_line(self, step) -> str:
+        """Where the checkpoint of an early stop is, and the command that continues the run."""
+        path = self.run_dir.path
+        return f"saved checkpoint at iteration {step} of {self.cfg.iterations} in {path}; continue with: ppo-train --resume {path}"
+
+    @contextlib.contextmanager
+    def saved_if_server_down(self, step, where="", pending=None, samples=None, first=None):
+        """A reward server that stays down in the block (RemoteReward's RewardUnavailable) stops the run: first() (it
+        puts back what a resume redoes), iteration samples[0]'s samples written, metrics `pending` kept for a resume to
+        complete, a checkpoint at iteration `step`, and RewardServerDown, naming `where` and how to continue."""
         try:
-            tokenizer.get_chat_template()
-        except ValueError as e:  # none at all, or several and no default
-            raise ConfigError(f"config key 'chat_template': the policy {policy_path} cannot render a chat: {e}; "
-                              f"add chat_template.jinja, or drop --chat_template") from None
-    reward_source = make_reward_source(cfg, device, param_dtype)
-    eval_source = reward_source  # what scores the held-out evaluations: the training reward, or eval_reward_fn
-    if cfg.eval_reward_fn:
-        eval_source = make_reward_source(dataclasses.replace(cfg, reward_fn=[cfg.eval_reward_fn], reward_weights=[],
-                                                             reward_model="", reward_url=[], judge=""))
-    policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
-    sharded = dist.is_sharded(policy)
-    train_rows, held_out, stream = prompt_rows(cfg)
-    columns = set(columns_of(train_rows + held_out)) | ({cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
-    reward_source.check_columns(sorted(columns))  # a column the reward needs is there (or will be sampled)
-    if eval_source is not reward_source:
-        eval_source.check_columns(sorted(set(columns_of(held_out))))
-    clash = [c for c in columns_of(train_rows) if c in ("step", "response", "reward") or c.startswith("reward/")]
-    if cfg.log_samples_every and clash:
-        raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
-                          f"samples.jsonl's own '{clash[0]}'; rename that column")
-    context = policy.args.max_position_embeddings
-    for row in held_out + train_rows:
-        try:
-            n = len(prompt_token_ids(tokenizer, row, cfg))
-        except UnknownTextError as e:  # a character the vocabulary lacks, and no unknown token: name its file and row
-            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
-            raise ConfigError(f"{where_is(row, files)}: {e}") from None
-        if n + cfg.max_new_tokens > context:
-            raise ConfigError(f"prompt {prompt_text(row)[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} "
-                              f"it exceeds the model's context of {context} tokens")
-    run_dir = runlog.RunDir.open(cfg, policy_path, resume_from, precision.describe())
-    ckpt = run_dir.latest_checkpoint()
-    # Metrics of iterations after the checkpoint belong to work a resume redoes.
-    done = 0 if ckpt is None else checkpoint.checkpoint_step(ckpt)
-    run_dir.truncate_metrics(done)
-    tracking.truncate_samples(run_dir.path, done)
-    log = runlog.Logger(run_dir, progress=cfg.progress)
-    if run_dir.replaced:  # a run that stopped before its first checkpoint, started again with another config
-        log.info(run_dir.replaced)
-    if run_dir.precision_changed:
-        log.info(run_dir.precision_changed)
-    tracker = tracking.Tracker(cfg.report_to, run_dir.path, {**to_dict(cfg), "policy": policy_path, "out": run_dir.path},
-                               os.path.basename(os.path.normpath(run_dir.path)), resume_step=done)
-
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    generators = {"sample": sample_gen, "shuffle": shuffle_gen}
-    steps_per_iter = cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size)
-    opts = Optimizers(policy, critic, cfg, steps_per_iter, log)
-    kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
-              else algo.FixedKLController(cfg.kl_coef))
-    eval_seed = cfg.seed + 12345
-    if needs_reference_responses(cfg) and eval_source is reward_source:  # the held-out rows' references, sampled once
-        held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg, eval_seed + 1, autocast)
-    t0 = time.perf_counter()
-
-    start_iter, state = 0, {}
-
-    def elapsed():  # seconds of this run so far: the segments before a resume, and this one
-        return state.get("elapsed_s", 0.0) + time.perf_counter() - t0
-    if ckpt is not None:
-        state = checkpoint.load_training_state(ckpt, policy=policy, critic=critic, policy_opt=opts.policy_opt,
-                                               critic_opt=opts.critic_opt, generators=generators, sharded=sharded)
-        start_iter = state["step"]
-        opts.step_count, opts.skipped = state["optimizer_step"], state["skipped_updates"]
-        kl_ctl.load_state_dict(state["kl_controller"])
-        stream.load_state_dict(state["prompt_stream"])
-        log.info(f"resuming {run_dir.path} from {ckpt} (iteration {start_iter} of {cfg.iterations})")
-    else:
-        log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
-                 f"run dir {run_dir.path}")
-        log.info(f"precision: {precision_line(precision)}")
-        log.info(f"loss paths: {loss_paths(cfg, device)}")
-        if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
-            where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
-            log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
-        try:
-            state["eval_before"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
-            state["eval_before_greedy"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=True, autocast=autocast)
+            yield
         except RewardUnavailable as e:
-            log.close(), tracker.close()  # no iteration done, nothing to save: the run directory starts over
-            raise RewardServerDown(f"{e} during the evaluation before training; nothing saved yet; start again "
-                                   f"with: ppo-train --resume {run_dir.path}") from None
-        log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
-                 f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - t0:.1f}s]")
-        state["last_kl"] = 0.0
+            if first is not None:
+                first()
+            if samples is not None:
+                write_samples(self.cfg, self.run_dir, self.tracker, *samples)
+            if pending is not None:
+                self.state["pending_metrics"] = pending
+            self.save(step)
+            self.close()
+            raise RewardServerDown(f"{e}{where}; {self.saved_line(step)}") from None
 
-    def save(step):
-        return run_dir.save_checkpoint(step, sharded=sharded, policy=policy, critic=critic, tokenizer=tokenizer,
-                                       policy_opt=opts.policy_opt, critic_opt=opts.critic_opt, generators=generators,
-                                       state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
-                                              "kl_controller": kl_ctl.state_dict(), "prompt_stream": stream.state_dict(),
-                                              "eval_before": state["eval_before"], "eval_before_greedy": state["eval_before_greedy"],
-                                              "last_kl": state["last_kl"], "elapsed_s": elapsed(),
-                                              **({"pending_metrics": state["pending_metrics"]} if "pending_metrics" in state else {})},
-                                       keep=cfg.keep_checkpoints)
+    @contextlib.contextmanager
+    def redone_if_server_down(self, it):
+        """saved_if_server_down for iteration `it`'s rollout: the checkpoint is that of the iteration's start (the prompt
+        stream, the RNGs and the step count as they were), so a resume redoes the iteration exactly."""
+        with self.saved_if_server_down(it, first=resume_point(self.stream, self.generators, self.opts)):
+            yield
 
-    def write_samples(it, sampled):
-        if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
-            samples = sample_rows(sampled)
-            tracking.write_samples(run_dir.path, samples, it + 1)
-            tracker.log_samples(samples, it + 1)
-
-    def server_down(e, step, where=""):
-        """Save a checkpoint at `step`, and the exception that stops the run: the reward server failed `where`."""
-        save(step)
-        log.close(), tracker.close()
-        return RewardServerDown(f"{e}{where}; saved checkpoint at iteration {step} of {cfg.iterations} in {run_dir.path}; "
-                                f"continue with: ppo-train --resume {run_dir.path}")
-
-    if "pending_metrics" in state:  # the run stopped in iteration start_iter's evaluation (server down): finish it
-        metrics = state.pop("pending_metrics")
+    @contextlib.contextmanager
+    def stopped_if_server_down(self, what):
+        """A reward server down in the block stops the run with nothing (more) to save: RewardServerDown "{e} {what}"."""
         try:
-            metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
+            yield
         except RewardUnavailable as e:
-            state["pending_metrics"] = metrics
-            raise server_down(e, start_iter, f" in the evaluation of iteration {start_iter}") from None
-        log.metrics(metrics)  # its samples were written before the stop
-        tracker.log(metrics, start_iter)
-        save(start_iter)  # the checkpoint without the pending metrics: a later resume from it must not log them twice
+            self.close()
+            raise RewardServerDown(f"{e} {what}") from None
 
-    with runlog.StopSignals() as stop:
-        for it in log.iterations(cfg.iterations, start_iter):
-            back_to_iteration_start = resume_point(stream, generators, opts)
-            opts.start_iteration(it)
-            t_roll = time.perf_counter()
-            try:
-                rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
-                                                                 reward_source, cfg, sample_gen, autocast)
-            except RewardUnavailable as e:  # a resume redoes this iteration from its start
-                back_to_iteration_start()
-                raise server_down(e, it) from None
-            generate_s = filter_stats.pop("time/generate_s")
-            kl_coef = kl_ctl.value
-            compute_advantages(rollout, cfg, kl_coef, ended)
-            t_train = time.perf_counter()
-            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step,
-                                     train_policy=it >= cfg.critic_warmup)
-            t_end = time.perf_counter()
+    def finish_pending_iteration(self, step, evaluate_policy):
+        """A run stopped in iteration `step`'s evaluation (its update saved, its samples written): the evaluation, then
+        the iteration's metrics logged, and a checkpoint without them, so that a later resume does not log them twice."""
+        metrics = self.state.pop("pending_metrics")
+        with self.saved_if_server_down(step, f" in the evaluation of iteration {step}", pending=metrics):
+            metrics["eval/reward"] = evaluate_policy()
+        self.log.metrics(metrics)  # its samples were written before the stop
+        self.tracker.log(metrics, step)
+        self.save(step)
 
-            # Metrics over the global batch.
-            mask = dist.all_gather_rows(rollout.response_mask)
-            old_lp, ref_lp = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
-            scores = dist.all_gather_rows(rollout.scores)
-            advantages, returns = dist.all_gather_rows(rollout.advantages), dist.all_gather_rows(rollout.returns)
-            kl_tok = algo.kl_estimate(old_lp, ref_lp, "k1")
-            state["last_kl"] = algo.masked_mean(kl_tok, mask).item()
-            kl_ctl.update(state["last_kl"], rollout_rows(cfg))
-            metrics = {
-                "step": it + 1,
-                "reward/mean": scores.mean().item(),
-                "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
-                "kl/mean": state["last_kl"],
-                "kl/k3_mean": algo.masked_mean(algo.kl_estimate(old_lp, ref_lp, "k3"), mask).item(),
-                "kl/seq_mean": (kl_tok * mask).sum(-1).mean().item(),
-                "kl/coef": kl_coef,
-                "entropy/mean": algo.masked_mean(dist.all_gather_rows(rollout.entropy), mask).item(),
-                **train_stats,
-                **filter_stats,
-                "train/skipped_updates": opts.skipped,
-                "advantages/mean": algo.masked_mean(advantages, mask).item(),
-                "advantages/std": algo.masked_var(advantages, mask).sqrt().item(),
-                "returns/mean": algo.masked_mean(returns, mask).item(),
-                "returns/std": algo.masked_var(returns, mask).sqrt().item(),
-                "response/length_mean": mask.sum(-1).mean().item(),
-                "response/eos_frac": dist.all_gather_rows(ended).float().mean().item(),
-                "lr": cfg.lr * opts.lr_scales(max(0, opts.step_count - 1))[0],
-                "time/rollout_s": t_train - t_roll,
-                "time/generate_s": generate_s,  # the rollout's decoding; the rest of it is time/score_s
-                "time/score_s": t_train - t_roll - generate_s,  # reward, old/reference log-probs, values, advantages
-                "time/train_s": t_end - t_train,
-                "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
-            }
-            if critic is not None:
-                metrics["value/explained_var"] = algo.explained_variance(dist.all_gather_rows(rollout.old_values), returns, mask)
-            if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
-                try:
-                    metrics["eval/reward"] = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
-                except RewardUnavailable as e:  # the update is done: save it, and the metrics a resume completes
-                    write_samples(it, rollout.sampled)
-                    state["pending_metrics"] = metrics
-                    raise server_down(e, it + 1, f" in the evaluation of iteration {it + 1}") from None
-            log.metrics(metrics)
-            tracker.log(metrics, it + 1)
-            write_samples(it, rollout.sampled)
-            last = it + 1 == cfg.iterations
-            if last or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
-                save(it + 1)
-            if stop.requested and not last:
-                log.close(), tracker.close()
-                raise StopRequested(f"received {stop.requested}; saved checkpoint at iteration {it + 1} of {cfg.iterations} "
-                                    f"in {run_dir.path}; continue with: ppo-train --resume {run_dir.path}")
+    def stop_if_requested(self, stop: runlog.StopSignals, step):
+        """SIGTERM / SIGINT arrived during iteration `step`, whose checkpoint is saved, and more were to come:
+        StopRequested (exit status 143)."""
+        if stop.requested and step < self.cfg.iterations:
+            self.close()
+            raise StopRequested(f"received {stop.requested}; {self.saved_line(step)}")
 
-    try:
-        after = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, autocast=autocast)
-        after_greedy = evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=True, autocast=autocast)
-    except RewardUnavailable as e:  # the final checkpoint is saved: a resume runs no iteration, only this evaluation
-        log.close(), tracker.close()
-        raise RewardServerDown(f"{e} during the final evaluation; the final checkpoint (iteration {cfg.iterations}) is "
-                               f"in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}") from None
-    summary = {
-        "eval/reward_before": state["eval_before"],
-        "eval/reward_after": after,
-        "eval/greedy_reward_before": state["eval_before_greedy"],
-        "eval/greedy_reward_after": after_greedy,
-        "eval/prompts": len(held_out),
-        "kl/final": state["last_kl"],
-        "iterations": cfg.iterations,
-        "skipped_updates": opts.skipped,
-        "checkpoint": os.path.join(run_dir.path, "checkpoints", f"step-{cfg.iterations}"),
-        "time/total_s": elapsed(),  # the whole run's, across resumes
-    }
-    run_dir.write_summary(summary)
-    log.close(), tracker.close()
-    log.table(summary, cfg)
-    return summary
 
+# ---------------------------------------------------------------------------- the command line
 
 USAGE = """usage: ppo-train [--config FILE.toml] [--KEY=VALUE ...]
        ppo-train --resume RUN_DIR
