@@ -3,9 +3,9 @@
     compute_advantages(rollout, cfg, kl_coef, ended)       # fills rollout.rewards, .advantages, .returns [B, R]
     stats = ppo_update(policy, critic, rollout, cfg, kl_coef, generator, autocast, opts.step)
 
-  advantages: penalties on the raw scores, r_t = -beta * KL_t on every token + the score on the last one, then
-              cfg.adv_estimator's advantages (GAE with the critic's values, or a critic-free baseline), computed on
-              the global batch; the math is ppo_core.algo's
+  advantages: penalties on the raw scores, r_t = -beta * KL_t on every token (with kl_in_reward) + the score on the
+              last one, then cfg.adv_estimator's advantages (GAE with the critic's values, or a critic-free
+              baseline), computed on the global batch; the math is ppo_core.algo's
   update:     ppo_update: shuffled minibatches of the global batch (stopped early past target_kl); minibatch_gradients
               runs each in micro-batches whose gradients add up to the minibatch's, summed across processes
   objectives: policy_objective: the clipped surrogate (PPO's token ratio or GSPO's sequence ratio), + the KL loss
