@@ -228,16 +228,16 @@ def count_full_rows(responses, response_mask, new):
 # ---------------------------------------------------------------------------------------- the ppo-core worker
 def run_ppo_core(args, paths, precision, side):
     """ppo_core.train.run on the scratch checkpoint, in this process; -> the result dict (see main)."""
-    from ppo_core import runlog, train
+    from ppo_core import rollout, runlog, train
     from ppo_core import config as ppo_config
     from ppo_core.config import PPOConfig
 
     probe, steps = DtypeProbe(), StepCounter()
     state = {"in_iteration": False, "rows": [0, 0], "per_iteration": []}
 
-    real_build, real_sample, real_rollout, real_update = (train.build_models, train.sample_responses,
+    real_build, real_sample, real_rollout, real_update = (train.build_models, rollout.sample_responses,
                                                           train.iteration_rollout, train.ppo_update)
-    real_reward_source, real_sample_and_score = train.make_reward_source, train.sample_and_score
+    real_reward_source, real_sample_and_score = train.make_reward_source, rollout.sample_and_score
 
     def build_models(*a, **k):
         tokenizer, policy, critic, reference = real_build(*a, **k)
@@ -255,7 +255,7 @@ def run_ppo_core(args, paths, precision, side):
         probe.phase = "gen" if state["in_iteration"] else None
         out = real_sample(*a, **k)
         if state["in_iteration"]:
-            probe.phase = "score"  # the reward model scores next, inside train.sample_and_score
+            probe.phase = "score"  # the reward model scores next, inside rollout.sample_and_score
         return out
 
     def sample_and_score(*a, **k):
@@ -281,7 +281,7 @@ def run_ppo_core(args, paths, precision, side):
                                            "cpu_s": time.process_time() - state["cpu_start"]})
 
     train.build_models, train.make_reward_source = build_models, make_reward_source
-    train.sample_responses, train.sample_and_score = sample_responses, sample_and_score
+    rollout.sample_responses, rollout.sample_and_score = sample_responses, sample_and_score  # where the rollout looks them up
     train.iteration_rollout, train.ppo_update = iteration_rollout, ppo_update
     runlog.RunDir.save_checkpoint = lambda self, step, **kwargs: None  # the final save measures the disk
 

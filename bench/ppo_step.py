@@ -42,6 +42,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ppo_core import model as ppo_model  # noqa: E402
 from ppo_core import runlog, train  # noqa: E402
+from ppo_core.rollout import response_logprobs, response_values  # noqa: E402
+from ppo_core.update import policy_objective  # noqa: E402
 from ppo_core.config import PPOConfig  # noqa: E402
 from generate import random_model  # noqa: E402  (bench/generate.py: this script's folder is on sys.path)
 
@@ -210,10 +212,10 @@ def attention_passes(ckpt, device, batch, prompt_len, new):
         agg = dict(agg=cfg.loss_agg, num_tokens=response_mask.sum(), num_seqs=torch.tensor(float(batch), device=device))
         try:
             with autocast():
-                loss, *_ = train.policy_objective(policy, ids, am, response_mask, old, adv, old, P, cfg, 0.0, agg)
+                loss, *_ = policy_objective(policy, ids, am, response_mask, old, adv, old, P, cfg, 0.0, agg)
             loss.backward()
             with autocast():
-                values = train.response_values(critic, ids, am, P).float()
+                values = response_values(critic, ids, am, P).float()
             ((values - adv) ** 2 * response_mask).mean().backward()
         finally:
             policy.zero_grad(set_to_none=True), critic.zero_grad(set_to_none=True)
@@ -222,15 +224,15 @@ def attention_passes(ckpt, device, batch, prompt_len, new):
     @torch.no_grad()
     def logprobs():
         with autocast():
-            train.response_logprobs(policy, ids, am, response_mask, P, 1.0, True)
+            response_logprobs(policy, ids, am, response_mask, P, 1.0, True)
 
     @torch.no_grad()
     def values():
         with autocast():
-            train.response_values(critic, ids, am, P)
+            response_values(critic, ids, am, P)
 
     @torch.no_grad()
-    def reward_score():  # a reward model reads prompt + response right-padded (rewards.RewardModelReward)
+    def reward_score():  # a reward model reads prompt + response right-padded (reward_model.RewardModelReward)
         right = torch.zeros_like(ids)
         right_mask = torch.zeros_like(am)
         for row in range(batch):

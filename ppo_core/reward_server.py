@@ -56,8 +56,9 @@ import torch
 
 from .config import ConfigError, build_config, load_toml, parse_cli
 from .model import CheckpointError
-from .rewards import RewardError, make_reward_source
-from .train import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
+from .precision import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
+from .reward_source import make_reward_source
+from .rewards import RewardError
 
 USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--config FILE.toml] [--KEY=VALUE ...]
 

@@ -1,4 +1,4 @@
-"""Reward sources, and the checks on what a reward function returns.
+"""The reward-source interface, and the checks on what a reward function returns.
 
 Every reward source is called the same way:
 
@@ -9,16 +9,10 @@ Every reward source is called the same way:
         scores:             [B] float32 on the CPU
         metrics:            {name: [B] float32}, per-sample values the loop logs as batch means
 
-It is one of
-  - WeightedReward: one or more Python reward functions (config `reward_fn`, or the built-in task's reward), each
-    wrapped in a CallableReward, added up with the weights `reward_weights`: score = sum_k w_k * r_k. Its metrics
-    are "reward/<name>", each function's own (unweighted) scores, and "reward/<name>/<metric>" for the extra
-    entries of a function's dict, with one function as with several, so a run's keys do not depend on how many
-    there are. <name> is the function's name ('my_rewards.py:score' -> "score"; the task's reward: the task's
-    name), prefixed by its module where two functions share a name ("a.score", "b.score").
-  - RewardModelReward: a reward model checkpoint (config `reward_model`): each prompt + response is rendered (with
-    the reward model's own chat template when `chat_template` is on, with the run's `enable_thinking`), tokenized
-    with the reward model's tokenizer, right-padded, and scored at its last real token. No metrics.
+and has check_columns(names), a RewardError when it needs a prompt column that `names` lacks. The sources, each in
+its own file: reward functions (ppo_core.reward_functions), a reward model checkpoint (ppo_core.reward_model), a
+generative judge (ppo_core.judges), reward servers over HTTP (ppo_core.remote_reward). Which one a run uses is
+chosen from its config by ppo_core.reward_source.make_reward_source, above them all.
 
 A reward function takes the prompts and responses as its first two parameters, and any extra column as a keyword
 argument, one list per column, when its signature names it (or every column, with **kwargs):
@@ -35,8 +29,6 @@ where the function raised, `error.raised_at` ("FILE:LINE in FUNCTION", the inner
 and the full traceback, `error.traceback`: ppo-train adds the first to its error line and appends the second to the
 run directory's error.log (ppo_core.runlog.log_error).
 """
-import importlib
-import importlib.util
 import inspect
 import math
 import os
@@ -47,10 +39,6 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .tasks import arith_rewards, reverse_rewards
-
-TASK_REWARDS = {"reverse": reverse_rewards, "arith": arith_rewards}
-
 
 class RewardError(RuntimeError):
     """The reward function failed or returned something that is not one finite score per response. When the function
@@ -58,41 +46,6 @@ class RewardError(RuntimeError):
     `traceback`, the full traceback (a str); both None otherwise."""
 
     raised_at = traceback = None
-
-
-def import_callable(spec: str):
-    """'package.module:function' -> the function (the module may also be a path to a .py file)."""
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            loader_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            if loader_spec is None or not os.path.isfile(module_name):
-                raise ModuleNotFoundError(f"no file {module_name}")
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        fn = getattr(module, attr)
-    except (ImportError, AttributeError) as e:
-        raise RewardError(f"cannot load reward_fn '{spec}': {e}") from None
-    if not callable(fn):
-        raise RewardError(f"reward_fn '{spec}' is not callable")
-    return fn
-
-
-def metric_names(specs: list[str]) -> list[str]:
-    """The name each reward function is logged under: 'my_rewards.py:score' -> 'score', 'pkg.mod:score' -> 'score';
-    where two share a name (or one is 'mean' or 'std', which the loop's own reward/mean and reward/std hold), the
-    module's is put in front ('my_rewards.score', 'pkg.mod.score'); where that still clashes, the whole spec."""
-    short = [spec.rpartition(":")[2] for spec in specs]
-    names = []
-    for spec, name in zip(specs, short):
-        if short.count(name) > 1 or name in ("mean", "std"):
-            module, _, function = spec.rpartition(":")
-            module = os.path.basename(module)[:-3] if module.endswith(".py") else module
-            name = f"{module}.{function}"
-        names.append(name)
-    return [spec if names.count(name) > 1 else name for spec, name in zip(specs, names)]
 
 
 # ---------------------------------------------------------------------------------------------------- the checks
@@ -111,7 +64,7 @@ def _show(value) -> str:
     return f"{type(value).__name__} {text[:100]}"
 
 
-def _clip(text: str, n: int = 80) -> str:
+def clip_text(text: str, n: int = 80) -> str:
     """repr(text) of at most n characters of it, '...' marking a cut."""
     shown = repr(text[:n])
     return shown[:-1] + "..." + shown[-1] if len(text) > n else shown
@@ -267,103 +220,4 @@ class CallableReward:
 
 
 def _sample(i, prompts, responses) -> str:
-    return f"(prompt {_clip(prompts[i])}, response {_clip(responses[i])})"
-
-
-class WeightedReward:
-    """Several reward functions added up: score = sum_k w_k * r_k (config reward_fn, reward_weights).
-
-    functions: CallableReward each; weights: float each; names: each one's name in the metrics.
-    Called as every reward source is, it returns (scores [B] float32, metrics): "reward/<name>" [B] each function's
-    own (unweighted) scores, and "reward/<name>/<metric>" [B] for each extra entry of a function's dict.
-    """
-
-    def __init__(self, functions, weights, names):
-        if not len(functions) == len(weights) == len(names):
-            raise ValueError(f"{len(functions)} reward functions, {len(weights)} weights, {len(names)} names")
-        self.functions, self.weights, self.names = list(functions), [float(w) for w in weights], list(names)
-
-    def check_columns(self, names):
-        """RewardError naming the first function that needs a column `names` lacks."""
-        for function in self.functions:
-            function.check_columns(names)
-
-    def __call__(self, prompts, responses, columns=None):
-        total = torch.zeros(len(responses), dtype=torch.float64)  # [B], summed in float64, rounded once
-        metrics = {}
-        for function, weight, name in zip(self.functions, self.weights, self.names):
-            scores, extra = function.score(prompts, responses, columns)
-            # r = sum_k w_k * r_k
-            total += weight * torch.tensor(scores, dtype=torch.float64)
-            metrics[f"reward/{name}"] = torch.tensor(scores, dtype=torch.float32)  # [B]
-            for metric, values in extra.items():
-                metrics[f"reward/{name}/{metric}"] = torch.tensor(values, dtype=torch.float32)  # [B]
-        return total.float(), metrics
-
-
-class RewardModelReward:
-    """Scores from a *ForSequenceClassification checkpoint, as transformers computes them. It reads no columns."""
-
-    def __init__(self, path, cfg, device, dtype, batch_size=16):
-        from .model import load_reward_model
-        from .tokenizer import load_tokenizer
-
-        self.model = load_reward_model(path, dtype=dtype, device=device).eval().requires_grad_(False)
-        self.tokenizer = load_tokenizer(path)
-        self.cfg, self.device, self.batch_size = cfg, device, batch_size
-
-    def render(self, prompt, response):
-        if self.cfg.chat_template:
-            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(chat, tokenize=False, enable_thinking=self.cfg.enable_thinking)
-        return prompt + response
-
-    def check_columns(self, names):
-        """Nothing to check: the reward model scores prompt + response only."""
-
-    @torch.no_grad()
-    def __call__(self, prompts, responses, columns=None):
-        """-> (scores [B] float32 on the CPU, {}); `columns` is ignored."""
-        encoded = [self.tokenizer.encode(self.render(p, r)) for p, r in zip(prompts, responses)]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        scores = []
-        for i in range(0, len(encoded), self.batch_size):
-            chunk = encoded[i : i + self.batch_size]
-            T = max(len(e) for e in chunk)
-            ids = torch.tensor([e + [pad] * (T - len(e)) for e in chunk], device=self.device)  # [b, T] right-padded
-            mask = torch.tensor([[1] * len(e) + [0] * (T - len(e)) for e in chunk], device=self.device)
-            scores.append(self.model.score(ids, mask).float().cpu())  # [b]
-        scores = torch.cat(scores)
-        if not torch.isfinite(scores).all():
-            i = int((~torch.isfinite(scores)).nonzero()[0])
-            raise RewardError(f"reward model gave {scores[i].item()} for sample {i} (prompt {_clip(prompts[i])})")
-        return scores, {}
-
-
-def make_reward_source(cfg, device="cpu", dtype=None):
-    """The run's reward source: the reward model (cfg.reward_model), else the reward functions (cfg.reward_fn, a list)
-    weighted by cfg.reward_weights (empty = 1.0 each), else the built-in task's reward, as a WeightedReward of one;
-    with cfg.reward_url, the reward servers at those URLs (ppo_core.remote_reward); with cfg.judge, a generative judge
-    (ppo_core.judges)."""
-    if cfg.reward_url:
-        from .remote_reward import RemoteReward
-
-        return RemoteReward(cfg.reward_url, cfg.reward_timeout_s, cfg.reward_retries)
-    if cfg.judge:
-        from .judges import JudgeReward
-
-        return JudgeReward(cfg.judge, cfg.judge_mode, template=cfg.judge_template or None,
-                           max_new_tokens=cfg.judge_max_new_tokens, unparsed_score=cfg.judge_unparsed_score,
-                           reference_column=cfg.judge_reference_column, enable_thinking=cfg.judge_enable_thinking,
-                           greedy=cfg.judge_temperature == 0, temperature=cfg.judge_temperature or 1.0,
-                           batch_size=cfg.judge_batch_size, device=device, dtype=dtype, seed=cfg.seed,
-                           score_range=cfg.judge_score_range or None)
-    if cfg.reward_model:
-        return RewardModelReward(cfg.reward_model, cfg, device, dtype)
-    if isinstance(cfg.reward_fn, str):
-        raise TypeError("cfg.reward_fn must be a list of 'module:function' specs (config.build_config makes one)")
-    if cfg.reward_fn:
-        functions = [CallableReward(import_callable(spec), spec) for spec in cfg.reward_fn]
-        return WeightedReward(functions, list(cfg.reward_weights) or [1.0] * len(functions), metric_names(cfg.reward_fn))
-    return WeightedReward([CallableReward(TASK_REWARDS[cfg.task], f"of task '{cfg.task}'")], [1.0], [cfg.task])
-
+    return f"(prompt {clip_text(prompts[i])}, response {clip_text(responses[i])})"

@@ -184,7 +184,7 @@ class RunDir:
     def open(cls, cfg, policy_path, resume_from=None, precision=None):
         """The run directory of this run. Its path: resume_from, else cfg.out, else default_run_path().
 
-        A new directory gets config.json, with `precision` (train.Precision.describe(): how dtype='auto' resolved on
+        A new directory gets config.json, with `precision` (precision.Precision.describe(): how dtype='auto' resolved on
         this machine) beside the config. A run resumed where it resolves differently is still the same run (the config
         is), but not a bit-exact continuation: `precision_changed` then holds a line for the log. One that already holds a config.json is:
           - the same config (IGNORED_FOR_IDENTITY aside), not finished: re-opened; the loop continues from its

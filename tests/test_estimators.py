@@ -1,4 +1,4 @@
-"""The estimators and loss knobs as the training loop wires them (ppo_core/train.py): advantages of each
+"""The estimators and loss knobs as the training loop wires them (ppo_core/update.py, rollout.py): advantages of each
 `adv_estimator` on a hand-built rollout against plain Python loops, the penalties on raw scores, the LR schedule's
 end, prompts' BOS, and real `ppo-train` runs: critic-free checkpoints, resume, target_kl, critic warm-up, DAPO's
 dynamic sampling, GSPO and the entropy bonus (fused and plain paths agree)."""
@@ -17,9 +17,12 @@ from safetensors.torch import load_file
 import ppo_core.train as train
 from ppo_core.config import build_config
 from ppo_core.model import load_model
-from ppo_core.rewards import make_reward_source
+from ppo_core.precision import loss_paths
+from ppo_core.reward_source import make_reward_source
+from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, response_logprobs, sample_responses
 from ppo_core.tasks import PromptStream, eval_prompts, reverse_reward
 from ppo_core.tokenizer import load_tokenizer
+from ppo_core.update import compute_advantages, lr_at, policy_objective
 
 from test_resume import DRIVER
 from test_tokenizer import write_word_level
@@ -45,7 +48,7 @@ def read_metrics(run_dir):
 
 def test_lr_schedule_reaches_min_lr_ratio_at_the_last_step():
     cfg = build_config({}, {"warmup_steps": "2", "min_lr_ratio": "0.1"})
-    got = [train.lr_at(step, 6, cfg) for step in range(6)]
+    got = [lr_at(step, 6, cfg) for step in range(6)]
     # warm-up (step + 1) / 2, then 0.1 + 0.9 * (1 + cos(pi * k / 4)) / 2 for k = 1..4 (hand-worked)
     want = [0.5, 1.0, 0.1 + 0.45 * (1 + math.sqrt(0.5)), 0.55, 0.1 + 0.45 * (1 - math.sqrt(0.5)), 0.1]
     assert got == pytest.approx(want, abs=1e-12)
@@ -62,7 +65,7 @@ def hand_rollout():
     ended = torch.tensor([True, False, True, True])
     B, R = mask.shape
     ids = torch.zeros(B, 2 + R, dtype=torch.long)
-    rollout = train.Rollout(["a", "a", "b", "b"], ["", "", "", ""], ids, ids.bool(), mask, 2, old * mask, ref * mask,
+    rollout = Rollout(["a", "a", "b", "b"], ["", "", "", ""], ids, ids.bool(), mask, 2, old * mask, ref * mask,
                             torch.zeros(B, R), torch.zeros(B, R), scores, torch.tensor([0, 0, 1, 1]))
     return rollout, ended
 
@@ -132,7 +135,7 @@ def test_compute_advantages_of_each_estimator_is_the_plain_loop(kind):
     n = "1" if kind == "reinforce_pp" else "2"
     cfg = build_config({}, {"adv_estimator": kind, "n_samples_per_prompt": n, "gamma": "0.9", "rollout_batch_size": "4",
                             "minibatch_size": "4", "micro_batch_size": "4"})
-    train.compute_advantages(rollout, cfg, 0.1, ended)
+    compute_advantages(rollout, cfg, 0.1, ended)
     rows = python_token_rewards(rollout, [1.0, 0.25, 0.5, 0.0], 0.1)
     assert flat(as_rows(rollout.rewards, rollout.response_mask)) == pytest.approx(flat(rows), abs=1e-6)
     returns = python_discounted(rows, 0.9)
@@ -146,7 +149,7 @@ def test_compute_advantages_of_each_estimator_is_the_plain_loop(kind):
 def test_kl_reward_kind_picks_the_estimator_in_the_reward(kind):
     rollout, ended = hand_rollout()
     cfg = build_config({}, {"kl_reward_kind": kind, "rollout_batch_size": "4", "minibatch_size": "4", "micro_batch_size": "4"})
-    train.compute_advantages(rollout, cfg, 0.1, ended)
+    compute_advantages(rollout, cfg, 0.1, ended)
     want = []
     for i, score in enumerate([1.0, 0.25, 0.5, 0.0]):
         n = int(rollout.response_mask[i].sum())
@@ -162,7 +165,7 @@ def test_penalties_apply_to_raw_scores_before_whitening_and_clipping():
     cfg = build_config({}, {"missing_eos_penalty": "2.0", "whiten_rewards": "true", "reward_clip": "1.0",
                             "overlong_buffer": "2", "overlong_penalty": "0.5", "max_new_tokens": "3",
                             "rollout_batch_size": "4", "minibatch_size": "4", "micro_batch_size": "4"})
-    train.compute_advantages(rollout, cfg, 0.0, ended)
+    compute_advantages(rollout, cfg, 0.0, ended)
     # raw scores 1, 0.25, 0.5, 0; row 1 has no EOS: -2; lengths 3, 2, 3, 1 with L_max 3, L_cache 2: the penalty
     # (1 - L) / 2 * 0.5 for L in (1, 3]: -0.5, -0.25, -0.5, 0
     raw = [1.0 - 0.5, 0.25 - 2.0 - 0.25, 0.5 - 0.5, 0.0]
@@ -180,9 +183,9 @@ def test_prompts_get_the_bos_their_tokenizer_adds_and_no_eos(tmp_path):
     bos_eos = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
     tok = load_tokenizer(write_word_level(tmp_path / "tok", bos_eos))
     cfg = build_config({}, {})
-    assert train.prompt_token_ids(tok, "reverse the word banana =", cfg) == [1, 3, 4, 5, 6, 7]
+    assert prompt_token_ids(tok, "reverse the word banana =", cfg) == [1, 3, 4, 5, 6, 7]
     demo = load_tokenizer(train.DEMO_CHECKPOINT)  # no post-processor: the plain encoding
-    assert train.prompt_token_ids(demo, "abc=", cfg) == demo.encode("abc=")
+    assert prompt_token_ids(demo, "abc=", cfg) == demo.encode("abc=")
 
 
 # ---------------------------------------------------------------------------- real runs
@@ -273,7 +276,7 @@ def test_filter_groups_keeps_only_groups_with_varied_scores(tmp_path, monkeypatc
     tok = load_tokenizer(train.DEMO_CHECKPOINT)
     policy = load_model(train.DEMO_CHECKPOINT)
     stream = PromptStream(0, eval_prompts(8, 0))
-    rollout, ended, stats = train.iteration_rollout(0, stream, policy, policy, None, tok, make_reward_source(cfg),
+    rollout, ended, stats = iteration_rollout(0, stream, policy, policy, None, tok, make_reward_source(cfg),
                                                     cfg, torch.Generator().manual_seed(0), train.contextlib.nullcontext)
     assert rollout.input_ids.shape[0] == 16 and ended.shape == (16,)
     assert torch.equal(rollout.group, torch.arange(16) // 4)
@@ -287,7 +290,7 @@ def test_filter_groups_keeps_only_groups_with_varied_scores(tmp_path, monkeypatc
     want = [0.0 if len(p.rstrip("=")) % 2 else reverse_reward(p, r) for p, r in zip(rollout.prompts, rollout.responses)]
     assert rollout.scores.tolist() == pytest.approx(want)
     # and the log-probs are of the assembled rows: recompute row 5's alone
-    lp, _ = train.response_logprobs(policy, rollout.input_ids[5:6], rollout.attention_mask[5:6],
+    lp, _ = response_logprobs(policy, rollout.input_ids[5:6], rollout.attention_mask[5:6],
                                     rollout.response_mask[5:6], rollout.prompt_len, 1.0, True)
     assert torch.allclose(lp, rollout.old_logprobs[5:6], atol=1e-6)
 
@@ -306,9 +309,9 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     gen = torch.Generator().manual_seed(0)
     prompts = eval_prompts(6, 0)
     cfg0 = build_config({}, {"rollout_batch_size": "6", "minibatch_size": "6", "micro_batch_size": "6"})
-    prompt_ids, prompt_mask, tokens, rm, _, _ = train.sample_responses(policy, tok, prompts, cfg0, gen)
+    prompt_ids, prompt_mask, tokens, rm, _, _ = sample_responses(policy, tok, prompts, cfg0, gen)
     ids, am, P = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, rm.bool()], 1), prompt_ids.shape[1]
-    old = train.response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach() - 0.05 * rm  # a ratio != 1
+    old = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach() - 0.05 * rm  # a ratio != 1
     ref = old + 0.1 * torch.randn(old.shape, generator=gen) * rm
     adv = torch.randn(old.shape, generator=gen) * rm
     agg = dict(agg="seq-mean-token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(6.0))
@@ -317,7 +320,7 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
         cfg = build_config({}, {**knobs, "fused_kernels": fused, "rollout_batch_size": "6", "minibatch_size": "6",
                                 "micro_batch_size": "6"})
         policy.zero_grad()
-        loss, pg_loss, kl_loss, stats = train.policy_objective(policy, ids, am, rm, old, adv, ref, P, cfg, 0.2, agg)
+        loss, pg_loss, kl_loss, stats = policy_objective(policy, ids, am, rm, old, adv, ref, P, cfg, 0.2, agg)
         loss.backward()
         results.append((loss.item(), pg_loss.item(), kl_loss.item(), stats["entropy"].item(),
                         {n: p.grad.clone() for n, p in policy.named_parameters()}))
@@ -335,8 +338,9 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     ({"fused_kernels": "false"}, []),
 ])
 def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, knobs, kernels_called):
-    """The run's first lines say which code computes the policy loss (train.loss_paths); here the real kernels are
-    wrapped to record their calls in one policy_objective, and the line names exactly those (or the reference)."""
+    """The run's first lines say which code computes the policy loss (ppo_core.precision.loss_paths); here the real
+    kernels are wrapped to record their calls in one policy_objective, and the line names exactly those (or the
+    reference)."""
     import ppo_kernels
 
     calls = []
@@ -349,8 +353,8 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     am, rm = torch.ones_like(ids, dtype=torch.bool), torch.ones(2, 3)
     zeros = torch.zeros(2, 3)
     agg = dict(agg="token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(2.0))
-    train.policy_objective(policy, ids, am, rm, zeros, zeros + 1, zeros, 2, cfg, 0.1, agg)
-    line = train.loss_paths(cfg, "cpu")
+    policy_objective(policy, ids, am, rm, zeros, zeros + 1, zeros, 2, cfg, 0.1, agg)
+    line = loss_paths(cfg, "cpu")
     policy_part = line.split(";")[0]
     assert calls == kernels_called, calls
     if kernels_called:

@@ -10,7 +10,7 @@ of it, `DeviceAudit` (a dispatch mode):
     for a CPU 0-dim tensor;
   - answers host reads (.item(), .tolist(), bool(), data-dependent shapes), which have no value on fake tensors,
     and records where each read or copy to the host of a device value happens: the update must read in the
-    places ppo_core.train.ppo_update names.
+    places ppo_core.update.ppo_update names.
 
 On a CPU-only build torch has no CUDA device guard, so indexing a fake CUDA tensor fails before reaching the fake
 mode: `_fake_cuda_runtime` compiles the no-op CUDA guard torch itself installed for this case in earlier releases
@@ -44,12 +44,15 @@ import ppo_kernels
 from ppo_core import train
 from ppo_core.config import build_config
 from ppo_core.model import load_model, load_score_model
-from ppo_core.rewards import make_reward_source
+from ppo_core.reward_source import make_reward_source
+from ppo_core.rollout import collect_rollout
 from ppo_core.tasks import eval_prompts
 from ppo_core.tokenizer import load_tokenizer
+from ppo_core.update import MB_STATS, Optimizers, compute_advantages, ppo_update
 
 PPO_CORE = os.path.dirname(os.path.abspath(train.__file__))
 KERNELS = os.path.dirname(os.path.abspath(ppo_kernels.__file__))
+LOOP_FILES = ("train.py:", "rollout.py:", "update.py:")  # the loop (ppo_core.train) and its two rooms
 GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
 C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CUDA>);
 """
@@ -207,7 +210,7 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
     mode, audit = FakeTensorMode(allow_non_fake_inputs=True), DeviceAudit()
     for model in (policy, critic, reference):
         to_fake_cuda(model, mode)
-    opts = train.Optimizers(policy, critic, cfg, steps_per_iter=2, log=None)
+    opts = Optimizers(policy, critic, cfg, steps_per_iter=2, log=None)
     with mode, audit:
         assert next(policy.parameters()).device.type == "cuda"
         # a CUDA generator cannot exist without CUDA; the rollout then draws from torch's default CUDA stream
@@ -215,37 +218,37 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
         encoded = [tokenizer.encode(p) for p in prompts[:b]]
         pad_to = train.dist.all_reduce_max_int(max(len(e) for e in encoded))
         rows = (0, len(prompts)) if world > 1 else None
-        rollout, ended = train.collect_rollout(policy, reference, critic, tokenizer, prompts[:b],
+        rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts[:b],
                                                make_reward_source(cfg), cfg, None, ac, pad_to, rows, encoded,
                                                torch.arange(b))
         for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
                      "old_values", "entropy", "scores", "group"):
             assert getattr(rollout, name).device.type == "cuda", name
         assert rollout.old_logprobs.dtype == rollout.old_values.dtype == torch.float32
-        train.compute_advantages(rollout, cfg, 0.05, ended)
+        compute_advantages(rollout, cfg, 0.05, ended)
         rollout_reads = list(audit.device_reads)
         audit.device_reads.clear()
         step_count = opts.step_count
         trainable = [p for m in (policy, critic) for p in m.parameters() if p.requires_grad]
         backward = contextlib.nullcontext() if torch.cuda.is_available() else FakeBackward(trainable)
         with backward:
-            stats = train.ppo_update(policy, critic, rollout, cfg, 0.05, torch.Generator().manual_seed(0), ac, opts.step)
+            stats = ppo_update(policy, critic, rollout, cfg, 0.05, torch.Generator().manual_seed(0), ac, opts.step)
         assert torch.cuda.is_available() or backward.calls == 2 * 2 * 2  # steps x micro-batches x (policy, critic)
         assert opts.step_count == step_count + 2 and opts.skipped == 0  # two minibatches, both stepped
         assert all(p.grad is None for p in policy.parameters())  # zero_grad after the step
         assert isinstance(stats["policy/first_ratio_max_dev"], float)
 
-    # Device reads of train.py in the rollout: the sampled tokens and their mask brought to the host, once each.
+    # Device reads of the loop's files in the rollout: the sampled tokens and their mask brought to the host, once each.
     if world == 1:  # (with two processes, all_reduce_max_int's result is read as well)
-        assert [r for r in rollout_reads if r.startswith("train.py")] == ["train.py:sample_responses"] * 2, rollout_reads
-    # Device reads of train.py in the update, per optimizer step: the statistics in one read, then the finite
+        assert [r for r in rollout_reads if r.startswith(LOOP_FILES)] == ["rollout.py:sample_responses"] * 2, rollout_reads
+    # Device reads of the loop's files in the update, per optimizer step: the statistics in one read, then the finite
     # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
-    ours = [r for r in audit.device_reads if r.startswith("train.py:")]
-    n_stats = len(train.MB_STATS) + 3  # sums, token count, first and max ratio deviation: one .tolist()
+    ours = [r for r in audit.device_reads if r.startswith(LOOP_FILES)]
+    n_stats = len(MB_STATS) + 3  # sums, token count, first and max ratio deviation: one .tolist()
     n_norms = 2  # the policy's and the critic's gradient norm: one .tolist()
-    assert ours == (["train.py:_read_step_stats"] * n_stats + ["train.py:step"] * n_norms) * 2, ours
-    others = sorted(set(r for r in rollout_reads + audit.device_reads if not r.startswith("train.py:")))
-    print("device reads outside train.py:", " ".join(others), file=sys.stderr)
+    assert ours == (["update.py:_read_step_stats"] * n_stats + ["update.py:step"] * n_norms) * 2, ours
+    others = sorted(set(r for r in rollout_reads + audit.device_reads if not r.startswith(LOOP_FILES)))
+    print("device reads outside the loop's files:", " ".join(others), file=sys.stderr)
 
 
 CASES = [

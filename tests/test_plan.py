@@ -1,8 +1,8 @@
 """ppo-plan (ppo_core/plan.py): the seed figures from the real architecture configs, the JSON schema, fits,
 FSDP, offload, LoRA, and the activation and KV-cache estimates against what a CPU run actually holds.
 
-The activation checks train one micro-batch with the loop's own functions (train.response_logprobs +
-algo.policy_loss, then train.response_values + algo.value_loss) and compare the planner's formulas, evaluated
+The activation checks train one micro-batch with the loop's own functions (rollout.response_logprobs +
+algo.policy_loss, then rollout.response_values + algo.value_loss) and compare the planner's formulas, evaluated
 for float32 and the CPU log-prob path, with (1) the bytes autograd saves, summed over distinct storages through
 torch.autograd.graph.saved_tensors_hooks, and (2) the peak resident memory of a fresh process over the
 forward + backward (VmHWM reset through /proc/self/clear_refs; glibc's mmap threshold pinned so freed tensors
@@ -18,6 +18,7 @@ import torch
 
 from ppo_core import algo, plan, train
 from ppo_core.model import KVCache, ModelArgs, count_parameters, load_model, load_score_model
+from ppo_core.rollout import response_logprobs, response_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs", "models")
@@ -345,13 +346,13 @@ def _batch(M, P, R, V, seed=0):
 
 def _policy_loss(policy, batch, P):
     ids, am, rm, old_logprobs, advantages, _ = batch
-    logprobs, _ = train.response_logprobs(policy, ids, am, rm, P, 1.0, True)
+    logprobs, _ = response_logprobs(policy, ids, am, rm, P, 1.0, True)
     return algo.policy_loss(logprobs, old_logprobs, advantages, rm, num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids)))[0]
 
 
 def _value_loss(critic, batch, P):
     ids, am, rm, old_values, _, returns = batch
-    values = train.response_values(critic, ids, am, P)
+    values = response_values(critic, ids, am, P)
     return algo.value_loss(values, old_values, returns, rm, num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids)))[0]
 
 

@@ -20,6 +20,7 @@ import torch
 import ppo_core
 from ppo_core import train
 from ppo_core.config import build_config
+from ppo_core.precision import bf16_matmul_hardware, precision_line, resolve_precision
 from ppo_core.model import Backbone, KVCache, Linear, can_pack_for_cpu, cpu_packed_linears, onednn_bf16_supported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,9 +42,9 @@ def cpu_flags():
 # Environment settings that make torch and oneDNN on any x86 CPU behave as on an AVX2-only one (e.g. AMD Zen 3):
 # ATen's vectorised kernels at AVX2, oneDNN capped at AVX2 (so it runs no bf16: packing bf16 weights raises there).
 AS_ON_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-RESOLVE_AUTO = ("import json; from ppo_core import train; from ppo_core.config import build_config; "
-                "p = train.resolve_precision(build_config(overrides={'device': 'cpu'})); "
-                "print(json.dumps({**p.describe(), 'line': train.precision_line(p)}))")
+RESOLVE_AUTO = ("import json; from ppo_core import precision; from ppo_core.config import build_config; "
+                "p = precision.resolve_precision(build_config(overrides={'device': 'cpu'})); "
+                "print(json.dumps({**p.describe(), 'line': precision.precision_line(p)}))")
 
 
 def resolve_auto(env):
@@ -77,17 +78,17 @@ def test_auto_turns_on_bf16_autocast_exactly_on_cpus_where_onednn_runs_amx_or_av
 def test_auto_follows_the_probes_on_every_cpu(monkeypatch, onednn, amx, avx512_bf16, expected):
     """Both branches of dtype='auto' on every machine, the probes' answers forced: bf16 only where oneDNN runs bf16
     and the CPU has AMX or AVX512-BF16; and each run's first lines name the kernels bf16-mixed runs on."""
-    monkeypatch.setattr(train, "onednn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(ppo_core.precision, "onednn_bf16_supported", lambda: onednn)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    assert train.bf16_matmul_hardware("cpu") == expected
-    auto = train.resolve_precision(build_config(overrides={"device": "cpu"}))
+    assert bf16_matmul_hardware("cpu") == expected
+    auto = resolve_precision(build_config(overrides={"device": "cpu"}))
     assert auto.autocast_dtype == (torch.bfloat16 if expected else None) and auto.param_dtype == torch.float32
     assert (expected in auto.why) if expected else "neither AMX nor AVX512-BF16" in auto.why
-    mixed = train.resolve_precision(build_config(overrides={"device": "cpu", "dtype": "bf16-mixed"}))
+    mixed = resolve_precision(build_config(overrides={"device": "cpu", "dtype": "bf16-mixed"}))
     kernels = "on oneDNN's bf16 kernels, packed weights" if onednn else "on torch's generic kernels, unpacked weights"
-    assert mixed.autocast_dtype == torch.bfloat16 and kernels in train.precision_line(mixed)
-    forced = train.resolve_precision(build_config(overrides={"device": "cpu", "dtype": "float32"}))
+    assert mixed.autocast_dtype == torch.bfloat16 and kernels in precision_line(mixed)
+    forced = resolve_precision(build_config(overrides={"device": "cpu", "dtype": "float32"}))
     assert forced.autocast_dtype is None and forced.describe()["matmuls"] == "float32"
     assert mixed.describe() == {"device": "cpu", "weights": "float32", "matmuls": "bfloat16", "why": "dtype='bf16-mixed'"}
     with mixed.autocast():

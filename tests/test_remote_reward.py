@@ -316,7 +316,7 @@ def test_two_processes_stop_together_when_one_gets_no_answer(scripted, tmp_path)
 
 def test_config_keys_of_a_remote_reward():
     from ppo_core.config import ConfigError, build_config
-    from ppo_core.rewards import make_reward_source
+    from ppo_core.reward_source import make_reward_source
 
     cfg = build_config(overrides={"reward_url": "http://a:1,https://b:2/get_reward", "reward_timeout_s": "2.5",
                                   "reward_retries": "0"})

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import ppo_core.train as train
+import ppo_core.update as update
 from ppo_core.config import build_config
 from ppo_core.runlog import RunDir, RunDirError
 
@@ -25,6 +26,7 @@ DRIVER = r'''
 import os, signal, sys
 import ppo_core.train as train
 import ppo_core.checkpoint as checkpoint
+import ppo_core.rollout as rollout
 where, n = sys.argv[1], int(sys.argv[2])
 calls = [0]
 def die_on_nth(fn, after=False):
@@ -38,7 +40,7 @@ def die_on_nth(fn, after=False):
         return out
     return wrapped
 if where == "rollout":    # inside sampling: generate is called twice for the 'before' eval, then once an iteration
-    train.generate = die_on_nth(train.generate)
+    rollout.generate = die_on_nth(rollout.generate)
 elif where == "update":   # inside the PPO update, between two micro-batch backward passes
     train.algo.value_loss = die_on_nth(train.algo.value_loss)
 elif where == "save":     # inside a checkpoint save: after the n-th safetensors file is written, before the rename (2 calls a save)
@@ -156,7 +158,7 @@ def test_resume_errors(tmp_path, capsys):
 
 def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, capsys):
     """Fault injection through a pytest fixture: the policy loss turns NaN from the 3rd micro-batch on."""
-    real_objective = train.policy_objective  # the policy's micro-batch loss, fused or reference path
+    real_objective = update.policy_objective  # the policy's micro-batch loss, fused or reference path
     calls = [0]
 
     def poisoned(*args, **kwargs):
@@ -164,7 +166,7 @@ def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch
         calls[0] += 1
         return (loss * float("nan") if calls[0] >= 3 else loss), *rest
 
-    monkeypatch.setattr(train, "policy_objective", poisoned)
+    monkeypatch.setattr(update, "policy_objective", poisoned)
     cfg = build_config(overrides={"out": str(tmp_path / "run"), "iterations": "3", "eval_size": "8",
                                   "rollout_batch_size": "32", "minibatch_size": "16", "micro_batch_size": "16",
                                   "ppo_epochs": "2", "max_skipped_updates": "3", "progress": "false"})

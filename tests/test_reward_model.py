@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import ppo_core.train as train
 from ppo_core.config import build_config
-from ppo_core.rewards import RewardModelReward
+from ppo_core.reward_model import RewardModelReward
 from ppo_core.train import DEMO_CHECKPOINT
 from ppo_core.tokenizer import load_tokenizer
 

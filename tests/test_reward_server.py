@@ -20,10 +20,12 @@ import torch
 
 from ppo_core.config import build_config
 from ppo_core.model import load_score_model
+from ppo_core.precision import resolve_precision
 from ppo_core.remote_reward import RemoteReward
-from ppo_core.rewards import RewardError, make_reward_source
+from ppo_core.reward_source import make_reward_source
+from ppo_core.rewards import RewardError
 from ppo_core.tasks import eval_prompts
-from ppo_core.train import DEMO_CHECKPOINT, resolve_precision
+from ppo_core.train import DEMO_CHECKPOINT
 from random_weights import randomize
 
 ANSWERS = '''

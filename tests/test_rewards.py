@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from ppo_core.config import build_config, load_toml
-from ppo_core.rewards import CallableReward, RewardError, WeightedReward, make_reward_source, metric_names
+from ppo_core.reward_functions import WeightedReward, metric_names
+from ppo_core.reward_source import make_reward_source
+from ppo_core.rewards import CallableReward, RewardError
 
 PROMPTS = ["kitten=", "dog=", "mouse=", "ox="]
 RESPONSES = ["nettik", "god", "esuom", "xo"]

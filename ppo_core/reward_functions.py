@@ -1,0 +1,85 @@
+"""Python reward functions as a reward source (config `reward_fn`, or the built-in task's reward).
+
+WeightedReward: one or more Python reward functions, each wrapped in a CallableReward (ppo_core.rewards: the columns
+it takes, the checks on what it returns), added up with the weights `reward_weights`: score = sum_k w_k * r_k. Its
+metrics are "reward/<name>", each function's own (unweighted) scores, and "reward/<name>/<metric>" for the extra
+entries of a function's dict, with one function as with several, so a run's keys do not depend on how many there
+are. <name> is the function's name ('my_rewards.py:score' -> "score"; the task's reward: the task's name), prefixed by
+its module where two functions share a name ("a.score", "b.score").
+"""
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from .rewards import RewardError
+from .tasks import arith_rewards, reverse_rewards
+
+TASK_REWARDS = {"reverse": reverse_rewards, "arith": arith_rewards}
+
+
+def import_callable(spec: str):
+    """'package.module:function' -> the function (the module may also be a path to a .py file)."""
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            if loader_spec is None or not os.path.isfile(module_name):
+                raise ModuleNotFoundError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError) as e:
+        raise RewardError(f"cannot load reward_fn '{spec}': {e}") from None
+    if not callable(fn):
+        raise RewardError(f"reward_fn '{spec}' is not callable")
+    return fn
+
+
+def metric_names(specs: list[str]) -> list[str]:
+    """The name each reward function is logged under: 'my_rewards.py:score' -> 'score', 'pkg.mod:score' -> 'score';
+    where two share a name (or one is 'mean' or 'std', which the loop's own reward/mean and reward/std hold), the
+    module's is put in front ('my_rewards.score', 'pkg.mod.score'); where that still clashes, the whole spec."""
+    short = [spec.rpartition(":")[2] for spec in specs]
+    names = []
+    for spec, name in zip(specs, short):
+        if short.count(name) > 1 or name in ("mean", "std"):
+            module, _, function = spec.rpartition(":")
+            module = os.path.basename(module)[:-3] if module.endswith(".py") else module
+            name = f"{module}.{function}"
+        names.append(name)
+    return [spec if names.count(name) > 1 else name for spec, name in zip(specs, names)]
+
+
+class WeightedReward:
+    """Several reward functions added up: score = sum_k w_k * r_k (config reward_fn, reward_weights).
+
+    functions: CallableReward each; weights: float each; names: each one's name in the metrics.
+    Called as every reward source is, it returns (scores [B] float32, metrics): "reward/<name>" [B] each function's
+    own (unweighted) scores, and "reward/<name>/<metric>" [B] for each extra entry of a function's dict.
+    """
+
+    def __init__(self, functions, weights, names):
+        if not len(functions) == len(weights) == len(names):
+            raise ValueError(f"{len(functions)} reward functions, {len(weights)} weights, {len(names)} names")
+        self.functions, self.weights, self.names = list(functions), [float(w) for w in weights], list(names)
+
+    def check_columns(self, names):
+        """RewardError naming the first function that needs a column `names` lacks."""
+        for function in self.functions:
+            function.check_columns(names)
+
+    def __call__(self, prompts, responses, columns=None):
+        total = torch.zeros(len(responses), dtype=torch.float64)  # [B], summed in float64, rounded once
+        metrics = {}
+        for function, weight, name in zip(self.functions, self.weights, self.names):
+            scores, extra = function.score(prompts, responses, columns)
+            # r = sum_k w_k * r_k
+            total += weight * torch.tensor(scores, dtype=torch.float64)
+            metrics[f"reward/{name}"] = torch.tensor(scores, dtype=torch.float32)  # [B]
+            for metric, values in extra.items():
+                metrics[f"reward/{name}/{metric}"] = torch.tensor(values, dtype=torch.float32)  # [B]
+        return total.float(), metrics

@@ -1,0 +1,408 @@
+"""A rollout's experience: prompts encoded, responses sampled and scored, and the training code path's forward over
+them (old and reference log-probs, entropy, values). The loop (ppo_core.train) takes one Rollout an iteration.
+
+    rollout, ended, stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg,
+                                              generator, autocast)
+    rollout.old_logprobs, rollout.ref_logprobs, rollout.old_values      # [B, R] float32, 0 after each response
+    rollout.scores, rollout.group                                       # [B]: the reward, the prompt's index
+
+  forward:   response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs, response_values;
+             the update (ppo_core.update) runs the same heads, so the first minibatch's ratio is 1 up to the order of
+             a log-sum-exp. rollout_forward runs them over a Sampled batch in micro-batches -> Rollout
+  prompts:   render_prompt, prompt_token_ids, encode_prompts: the token ids the policy sees, left-padded
+  sampling:  sample_responses (KV-cache decoding, ppo_core.generate), then sample_and_score (the reward source
+             scores them) -> Sampled; with_reference_responses for a pairwise judge
+  iteration: iteration_rollout: rollout_batch_size prompts x n_samples_per_prompt, this process's rows of the
+             global batch; with filter_groups, DAPO's group filter over batches gathered from every process
+             (gather_sampled, select_sampled)
+  evaluate:  the mean reward over held-out prompts
+B sequences, prompts left-padded to P, responses right-padded to R; `response_mask` [B, R] is 1 on the tokens the
+policy produced.
+"""
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import ppo_kernels
+
+from . import algo, lora
+from . import distributed as dist
+from .config import rollout_rows
+from .generate import generate
+from .prompts import columns_of, prompt_text
+
+IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
+
+
+# ---------------------------------------------------------------------------- log-probs and values
+
+def response_labels(input_ids, response_mask, prompt_len):
+    """The response tokens as labels [B, R]: IGNORE_INDEX where response_mask is 0."""
+    return input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)
+
+
+def response_head(policy, input_ids, attention_mask, prompt_len, head):
+    """Run `policy` and hand head(hidden [B, R, H], lm_head_weight [V, H]) the hidden states at the positions
+    that predict the response tokens; returns what `head` returns. The head runs inside the model's forward
+    (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper."""
+    return policy(input_ids, attention_mask, head_fn=lambda hidden, weight: head(hidden[:, prompt_len - 1 : -1], weight))
+
+
+def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused):
+    """Log-probs and entropy of the response tokens under `policy`, at `temperature`.
+
+    input_ids, attention_mask: [B, P+R]; response_mask: [B, R]. Returns logprobs, entropy: [B, R] float32
+    (0 where response_mask is 0). `fused` picks ppo_kernels' LM-head-fused path, which never forms the
+    [B*R, V] logits; the reference path is log_softmax + gather on full logits.
+    """
+    labels = response_labels(input_ids, response_mask, prompt_len)  # [B, R]
+
+    def head(hidden, weight):
+        B, R, H = hidden.shape
+        if fused:
+            logprobs, entropy = ppo_kernels.linear_token_logprobs(
+                hidden.reshape(B * R, H), weight, labels.reshape(B * R), temperature=temperature, return_entropy=True)
+            return logprobs.view(B, R), entropy.view(B, R)
+        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
+        return ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
+
+    return response_head(policy, input_ids, attention_mask, prompt_len, head)
+
+
+def reference_logprobs(policy, reference, *args):
+    """response_logprobs under the reference. With LoRA and no separate reference checkpoint the reference
+    IS the policy object: its base weights, computed with the adapters switched off."""
+    if reference is policy:
+        with lora.adapters_disabled(policy):
+            return response_logprobs(policy, *args)
+    return response_logprobs(reference, *args)
+
+
+def response_values(critic, input_ids, attention_mask, prompt_len):
+    """V(s_t) for each response token t: the critic read at the position that predicts it. -> [B, R]."""
+    return critic(input_ids, attention_mask)[:, prompt_len - 1 : -1]
+
+
+@dataclass
+class Rollout:
+    """One iteration's experience. B sequences, prompts left-padded to P, responses right-padded to R."""
+
+    prompts: list
+    responses: list
+    input_ids: torch.Tensor  # [B, P+R] int64
+    attention_mask: torch.Tensor  # [B, P+R] bool
+    response_mask: torch.Tensor  # [B, R] float32
+    prompt_len: int
+    old_logprobs: torch.Tensor  # [B, R]
+    ref_logprobs: torch.Tensor  # [B, R]
+    old_values: torch.Tensor  # [B, R]
+    entropy: torch.Tensor  # [B, R]
+    scores: torch.Tensor  # [B]
+    group: torch.Tensor  # [B] int64: the prompt's index in the global batch; a prompt's n responses share it
+    rewards: torch.Tensor = None  # [B, R]
+    advantages: torch.Tensor = None  # [B, R]
+    returns: torch.Tensor = None  # [B, R]
+    sampled: "Sampled" = None  # what was sampled and scored: the rows, texts and reward components (for samples.jsonl)
+
+
+def render_prompt(tokenizer, prompt, cfg):
+    """The text the policy sees: the prompt itself, or a user turn in the policy's chat template. One
+    rendering for every stage: rollout, old/reference log-probs and values all read these token ids."""
+    if cfg.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=cfg.enable_thinking)
+    return prompt
+
+
+def prompt_token_ids(tokenizer, prompt, cfg):
+    """The prompt's token ids as the policy sees them. prompt: a string or a row (ppo_core.prompts): a chat row's
+    "messages" and, with cfg.chat_template, a plain prompt as a user turn, are rendered with the chat template (which
+    writes any BOS itself); a plain prompt otherwise gets what the tokenizer's post-processor adds (a BOS for
+    Llama-family checkpoints), as transformers' tokenizer(text) does."""
+    if isinstance(prompt, dict) and "messages" in prompt:
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False,
+                                                              enable_thinking=cfg.enable_thinking))
+    prompt = prompt["prompt"] if isinstance(prompt, dict) else prompt
+    if cfg is not None and cfg.chat_template:
+        return tokenizer.encode(render_prompt(tokenizer, prompt, cfg))
+    ids, plain = tokenizer.encode_prompt(prompt), tokenizer.encode(prompt)
+    if ids[-1:] != plain[-1:] and ids[-1:] and ids[-1] in tokenizer.eos_token_ids:
+        ids = ids[:-1]  # a post-processor that also appends EOS ("<s> $A </s>") would end the text the policy continues
+    return ids
+
+
+def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
+    """Left-pad the encoded (rendered) prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool.
+    `prompts` may also be lists of token ids already encoded."""
+    encoded = [p if isinstance(p, list) else prompt_token_ids(tokenizer, p, cfg) for p in prompts]
+    P = max(pad_to, max(len(e) for e in encoded))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (P - len(e)) + [1] * len(e) for e in encoded], dtype=torch.bool, device=device)
+    return ids, mask
+
+
+def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, encoded=None,
+                     autocast=contextlib.nullcontext, decode_logprobs=False):
+    """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
+    response_mask [B, R], decoded responses, ended_with_eos [B]), and with decode_logprobs a seventh item: the
+    decoding pass's (log-probs, entropy) [B, R] float32 of the sampled tokens (0 after the response).
+
+    rows = (offset, global_batch): these prompts are rows offset.. of a batch of global_batch spread
+    over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
+    whatever the number of processes. encoded: the prompts' token ids, when the caller has them already.
+    autocast: the training passes' autocast; decoding under it reads bf16 copies of the weights (autocast's cast
+    cache on a GPU, oneDNN-packed bf16 copies on the CPU) and keeps its KV cache in the dtype attention computes in
+    (bf16 on a GPU, fp32 on the CPU: ppo_core.generate)."""
+    device = next(policy.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded or prompts, device, pad_to, cfg)
+    eos = tokenizer.eos_token_ids  # every stop token: the tokenizer's EOS and generation_config.json's
+    with dist.gathered(policy), autocast():  # FSDP: full weights for the whole call, no collective per step
+        out = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
+                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
+                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
+                       global_rows=rows, cuda_graph=cfg.cuda_graph and device.type == "cuda",
+                       return_logprobs=decode_logprobs, return_entropy=decode_logprobs)
+    tokens = out[0] if decode_logprobs else out
+    # The response is every token up to and including the first EOS.
+    is_eos = torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # [B, R] strictly after the first EOS
+    response_mask = (~after_eos).float()
+    ended_with_eos = is_eos.any(-1)
+    texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(tokens.cpu(), response_mask.cpu())]
+    if decode_logprobs:
+        return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos, (out[1], out[2])
+    return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos
+
+
+@dataclass
+class Sampled:
+    """Responses sampled and scored, before any log-prob: B rows, prompts left-padded to P, responses right-padded."""
+
+    rows: list  # the prompt rows (ppo_core.prompts): "prompt" or "messages", and extra columns
+    prompts: list  # the raw prompt texts the reward function saw
+    responses: list
+    prompt_ids: torch.Tensor  # [B, P] int64
+    prompt_mask: torch.Tensor  # [B, P] bool
+    tokens: torch.Tensor  # [B, R] int64
+    response_mask: torch.Tensor  # [B, R] float32
+    ended: torch.Tensor  # [B] bool, the response ends with an EOS
+    scores: torch.Tensor  # [B] float32
+    reward_metrics: dict  # name -> [B] float32: each reward function's score and its own metrics
+    reward_texts: dict = field(default_factory=dict)  # name -> B str: a judge's rationales (samples.jsonl)
+    generate_s: float = 0.0  # seconds spent decoding them (the rest of the rollout: reward and scoring forwards)
+    decode_logprobs: torch.Tensor | None = None  # [B, R] float32, the decoding pass's (cfg.old_logprobs_from_rollout)
+    decode_entropy: torch.Tensor | None = None  # [B, R] float32, likewise
+
+
+@torch.no_grad()
+def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generator, autocast, pad_to, rows, encoded):
+    """One response per row of `prompt_rows`, and its score from the reward source (under the policy passes'
+    autocast). The reward sees the raw prompt text (not the chat rendering) and the rows' extra columns."""
+    policy.eval()
+    t0 = time.perf_counter()
+    prompt_ids, prompt_mask, tokens, response_mask, responses, ended, *decoded = sample_responses(
+        policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast,
+        decode_logprobs=cfg.old_logprobs_from_rollout)
+    decode_logprobs, decode_entropy = decoded[0] if decoded else (None, None)
+    generate_s = time.perf_counter() - t0  # sample_responses ends with a host read of the tokens: nothing in flight
+    texts = [prompt_text(r) for r in prompt_rows]
+    with autocast():  # a reward model scores under the same autocast as the policy passes
+        # [B] float32 (on the CPU for a reward function), validated; and each component's per-sample values
+        scores, reward_metrics = reward_source(texts, responses, columns_of(prompt_rows))
+    device = tokens.device
+    numbers = {k: v.float().to(device) for k, v in reward_metrics.items() if isinstance(v, torch.Tensor)}
+    words = {k: list(v) for k, v in reward_metrics.items() if not isinstance(v, torch.Tensor)}  # lists of B str
+    return Sampled(prompt_rows, texts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(device),
+                   numbers, words, generate_s, decode_logprobs, decode_entropy)
+
+
+@torch.no_grad()
+def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast) -> Rollout:
+    """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
+    without a critic), in micro-batches. group: [B] int64, each row's prompt id in the global batch.
+    With cfg.old_logprobs_from_rollout the old log-probs and entropy are the decoding pass's: no policy forward."""
+    policy.eval()
+    input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
+    attention_mask = torch.cat([sampled.prompt_mask, sampled.response_mask.bool()], dim=1)
+    response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
+    old_logprobs, entropy, ref_logprobs, old_values = [], [], [], []
+    for mb in micro_batches(len(sampled.prompts), cfg.micro_batch_size):
+        args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
+        with autocast():
+            if cfg.old_logprobs_from_rollout:
+                lp, ent = sampled.decode_logprobs[mb] * response_mask[mb], sampled.decode_entropy[mb] * response_mask[mb]
+            else:
+                lp, ent = response_logprobs(policy, *args)
+            ref_lp, _ = reference_logprobs(policy, reference, *args)
+            v = response_values(critic, input_ids[mb], attention_mask[mb], P) if critic is not None else torch.zeros_like(lp)
+        old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
+    return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
+                   torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(old_values) * response_mask,
+                   torch.cat(entropy), sampled.scores, group.to(input_ids.device), sampled=sampled)
+
+
+def sample_rows(sampled: Sampled) -> list:
+    """What samples.jsonl and the trackers' table show of each row: prompt, response, reward (the score), each reward
+    component, and the row's extra columns."""
+    components = {k: v.tolist() for k, v in sampled.reward_metrics.items()}
+    components.update(sampled.reward_texts)
+    scores = sampled.scores.tolist()
+    return [{"prompt": text, "response": response, "reward": scores[i], **{k: v[i] for k, v in components.items()},
+             **{k: v for k, v in row.items() if k not in ("prompt", "messages")}}
+            for i, (row, text, response) in enumerate(zip(sampled.rows, sampled.prompts, sampled.responses))]
+
+
+def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
+                    pad_to, rows, encoded, group):
+    """Sample and score one response per row (a prompt row or a plain prompt string), then run the training code path
+    over them. -> (Rollout, ended [B])."""
+    prompts = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+    sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded)
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended
+
+
+def needs_reference_responses(cfg) -> bool:
+    """A pairwise judge, in this process (cfg.judge) or on a reward server (cfg.reward_url with judge_mode pairwise),
+    compares each response with a reference response: from the prompt column cfg.judge_reference_column, else
+    sampled from the frozen reference policy (with_reference_responses) and sent along as that column."""
+    return cfg.judge_mode == "pairwise" and bool(cfg.judge or cfg.reward_url)
+
+
+@torch.no_grad()
+def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, autocast) -> list:
+    """Copies of the prompt rows (dicts) whose cfg.judge_reference_column is missing, given one response sampled from
+    the frozen reference policy (LoRA without a reference checkpoint: the policy with its adapters off) at the run's
+    temperature, with a generator seeded by `seed` alone: every process samples the same (global) rows alike, and a
+    resumed run samples them again identically. Rows that have the column are kept as they are."""
+    column = cfg.judge_reference_column
+    missing = [i for i, row in enumerate(rows) if row.get(column) is None]
+    if not missing:
+        return rows
+    model = policy if reference is policy else reference
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with lora.adapters_disabled(policy) if reference is policy else contextlib.nullcontext():
+        *_, texts, _ = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator, autocast=autocast)
+    out = list(rows)
+    for i, text in zip(missing, texts):
+        out[i] = {**rows[i], column: text}  # a copy: a prompt file's row is drawn again in later passes
+    return out
+
+
+def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast):
+    """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
+    consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
+    scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
+    -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"})."""
+    rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
+    rows_total = rollout_rows(cfg)
+    b = rows_total // world
+    local = slice(rank * b, (rank + 1) * b)
+    kept, stats, batches = [], {}, cfg.filter_groups_max_batches if cfg.filter_groups else 1
+    generate_s = 0.0
+    for batch in range(batches):
+        # Sampling noise is a function of (seed, iteration, batch) alone, so processes that finish decoding
+        # at different steps, and a resumed run, all draw the same noise for every row.
+        generator.manual_seed(cfg.seed * 1_000_003 + it + batch * 1_000_000_007)
+        prompt_batch = [p if isinstance(p, dict) else {"prompt": p} for p in stream.next_batch(cfg.rollout_batch_size)]
+        if needs_reference_responses(cfg):  # one reference response per prompt, shared by its n rows
+            prompt_batch = with_reference_responses(prompt_batch, policy, reference, tokenizer, cfg,
+                                                    cfg.seed * 1_000_003 + it + batch * 1_000_000_007 + 1, autocast)
+        global_prompts = [row for row in prompt_batch for _ in range(n)]  # [rows_total] a prompt's n rows in a row
+        prompts = global_prompts[local]
+        encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
+        pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
+        sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to,
+                                   (rank * b, rows_total), encoded)
+        generate_s += sampled.generate_s
+        if not cfg.filter_groups:
+            group = torch.arange(rows_total)[local] // n  # [b] the prompt's index in the global batch
+            stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
+            return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+        everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
+        varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
+        kept.append((everything, varied))
+        n_varied = sum(int(v.sum()) for _, v in kept) // n
+        stats = {"filter/batches": batch + 1, "filter/kept_groups_frac": n_varied / (cfg.rollout_batch_size * (batch + 1))}
+        if n_varied >= cfg.rollout_batch_size:
+            break
+    # The first rollout_batch_size varied groups, in sampling order; a batch still short after
+    # filter_groups_max_batches is topped up with dropped groups (whose group-relative advantages are 0).
+    rows = [(i, j) for i, (_, v) in enumerate(kept) for j in v.nonzero().squeeze(1).tolist()]
+    rows += [(i, j) for i, (_, v) in enumerate(kept) for j in (~v).nonzero().squeeze(1).tolist()]
+    rows = rows[:rows_total][local]
+    sampled = select_sampled([e for e, _ in kept], rows, tokenizer)
+    group = torch.arange(rows_total)[local] // n
+    stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+
+
+def reward_means(reward_metrics) -> dict:
+    """Each reward component's mean over the global batch, for metrics.jsonl."""
+    return {name: dist.all_gather_rows(values).mean().item() for name, values in sorted(reward_metrics.items())}
+
+
+def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
+    """Every process's rows of `sampled`, in rank order (responses padded to max_new_tokens first)."""
+    pad = cfg.max_new_tokens - sampled.tokens.shape[1]
+    tokens = torch.nn.functional.pad(sampled.tokens, (0, pad), value=tokenizer.pad_token_id)
+    response_mask = torch.nn.functional.pad(sampled.response_mask, (0, pad))
+    parts = [dist.all_gather_rows(t) for t in (sampled.prompt_ids, sampled.prompt_mask, tokens, response_mask,
+                                               sampled.ended, sampled.scores)]
+    responses = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(parts[2].cpu(), parts[3].cpu())]
+    metrics = {k: dist.all_gather_rows(v) for k, v in sampled.reward_metrics.items()}
+    # a judge's rationales travel only within one process (texts are not gathered): kept in a 1-process run
+    words = sampled.reward_texts if dist.world_size() == 1 else {}
+    decoded = [None, None]
+    if sampled.decode_logprobs is not None:  # cfg.old_logprobs_from_rollout
+        decoded = [dist.all_gather_rows(torch.nn.functional.pad(t, (0, pad)))
+                   for t in (sampled.decode_logprobs, sampled.decode_entropy)]
+    return Sampled(global_prompts, [prompt_text(r) for r in global_prompts], responses, *parts, metrics, words,
+                   sampled.generate_s, *decoded)
+
+
+def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
+    """Rows (batch index, row index) of several Sampled batches as one; prompts left-padded to the widest."""
+    P = max(s.prompt_ids.shape[1] for s in batches)
+    def left_pad(t, value):  # [B, p] -> [B, P]
+        return torch.nn.functional.pad(t, (P - t.shape[1], 0), value=value)
+    picked = [(batches[i], j) for i, j in rows]
+    return Sampled([s.rows[j] for s, j in picked], [s.prompts[j] for s, j in picked], [s.responses[j] for s, j in picked],
+                   torch.stack([left_pad(s.prompt_ids, tokenizer.pad_token_id)[j] for s, j in picked]),
+                   torch.stack([left_pad(s.prompt_mask, False)[j] for s, j in picked]),
+                   torch.stack([s.tokens[j] for s, j in picked]), torch.stack([s.response_mask[j] for s, j in picked]),
+                   torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]),
+                   {k: torch.stack([s.reward_metrics[k][j] for s, j in picked]) for k in batches[0].reward_metrics},
+                   {k: [s.reward_texts[k][j] for s, j in picked] for k in batches[0].reward_texts},
+                   sum(s.generate_s for s in batches),
+                   *([torch.stack([getattr(s, name)[j] for s, j in picked]) for name in ("decode_logprobs", "decode_entropy")]
+                     if batches[0].decode_logprobs is not None else [None, None]))
+
+
+def micro_batches(n, size, order=None):
+    """Index tensors of consecutive chunks of `order` (default 0..n-1, on the CPU: indexing a CUDA tensor with a
+    CPU index tensor is allowed and copies the index over)."""
+    order = torch.arange(n) if order is None else order
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
+    """Mean reward over held-out prompt rows, sampling with the run's temperature (or greedily), under the
+    rollouts' autocast.
+
+    Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
+    Every process evaluates the same prompts (the held-out set is small)."""
+    policy.eval()
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    scores = []
+    for rows in micro_batches(len(prompts), 256):
+        batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.prompts)
+        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
+        with autocast():
+            scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])
+    return float(torch.cat(scores).mean())

@@ -1,0 +1,362 @@
+"""The PPO update over one rollout: its advantages, then ppo_epochs of clipped minibatch updates.
+
+    compute_advantages(rollout, cfg, kl_coef, ended)       # fills rollout.rewards, .advantages, .returns [B, R]
+    stats = ppo_update(policy, critic, rollout, cfg, kl_coef, generator, autocast, opts.step)
+
+  advantages: penalties on the raw scores, r_t = -beta * KL_t on every token (with kl_in_reward) + the score on the
+              last one, then cfg.adv_estimator's advantages (GAE with the critic's values, or a critic-free
+              baseline), computed on the global batch; the math is ppo_core.algo's
+  update:     ppo_update: shuffled minibatches of the global batch (stopped early past target_kl); minibatch_gradients
+              runs each in micro-batches whose gradients add up to the minibatch's, summed across processes
+  objectives: policy_objective: the clipped surrogate (PPO's token ratio or GSPO's sequence ratio), + the KL loss
+              term, - the entropy bonus, on the fused kernel or the torch reference; the critic's clipped value loss
+              (algo.value_loss)
+  optimizers: Optimizers: AdamW for policy and critic, warm-up + cosine LR (lr_at), the skip-on-NaN rule
+The forward heads are the rollout's (ppo_core.rollout), so the update's log-probs are computed as the old ones were.
+"""
+import math
+
+import numpy as np
+import torch
+
+import ppo_kernels
+
+from . import algo
+from . import distributed as dist
+from .config import PPOConfig
+from .rollout import Rollout, micro_batches, response_head, response_labels, response_values
+
+
+# ---------------------------------------------------------------------------- advantages
+
+def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_with_eos):
+    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> advantages by cfg.adv_estimator.
+
+    Computed on the GLOBAL batch (all processes' rows gathered), so batch statistics (reward and advantage
+    whitening, a prompt's group of responses) are those of the whole batch; each process keeps its own rows.
+    Penalties (missing EOS, overlong) apply to the raw scores, before whitening and clipping."""
+    lo, hi = dist.rank() * len(rollout.prompts), (dist.rank() + 1) * len(rollout.prompts)
+    mask = dist.all_gather_rows(rollout.response_mask)  # [B_global, R]
+    old_logprobs, ref_logprobs = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
+    old_values, ended = dist.all_gather_rows(rollout.old_values), dist.all_gather_rows(ended_with_eos)
+    scores, group = dist.all_gather_rows(rollout.scores), dist.all_gather_rows(rollout.group)
+    if cfg.missing_eos_penalty:
+        scores = torch.where(ended, scores, scores - cfg.missing_eos_penalty)
+    if cfg.overlong_buffer:
+        scores = scores + cfg.overlong_penalty * algo.overlong_penalty(mask.sum(-1), cfg.max_new_tokens, cfg.overlong_buffer)
+    scores = algo.normalize_scores(scores, whiten=cfg.whiten_rewards, clip=cfg.reward_clip or None)
+    kl = algo.kl_estimate(old_logprobs, ref_logprobs, cfg.kl_reward_kind) if cfg.kl_in_reward else None
+    rewards = algo.per_token_rewards(scores, mask, kl=kl, kl_coef=kl_coef)  # [B, R]
+    if cfg.adv_estimator == "gae":
+        advantages, returns = algo.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = algo.masked_whiten(advantages, mask)
+    else:
+        returns = algo.discounted_returns(rewards, mask, cfg.gamma)  # Monte Carlo return; a target for no critic
+        if cfg.adv_estimator == "reinforce_pp":
+            advantages = algo.masked_whiten(returns, mask)
+        else:
+            # each response's total reward (its score, minus its KL penalty with kl_in_reward) against its group's
+            advantages = algo.group_advantages(rewards.sum(-1), group, mask, cfg.adv_estimator)
+    rollout.rewards, rollout.advantages, rollout.returns = rewards[lo:hi], advantages[lo:hi], returns[lo:hi]
+
+
+# ---------------------------------------------------------------------------- the update
+
+def lr_at(step, total_steps, cfg: PPOConfig):
+    """The LR multiplier at optimizer step `step` (0-based) of total_steps: linear warm-up to the peak at step
+    warmup_steps - 1, then cosine decay that reaches min_lr_ratio at the last step, total_steps - 1."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg):
+    """The policy's minibatch loss on one micro-batch: the clipped surrogate (cfg.policy_loss_kind: PPO's token ratio
+    or GSPO's sequence ratio), + kl_coef * KL to the reference when the KL is a loss term (cfg.kl_in_reward = False),
+    - entropy_coef * entropy. Returns (loss to backward, pg_loss, kl_loss, stats).
+
+    fused: ppo_kernels.linear_policy_loss forms the log-probs, the loss and its gradients from the hidden
+    states and the LM head tile by tile, never the [B*R, V] logits (GSPO, whose ratio spans a whole sequence, runs
+    on ppo_kernels.linear_token_logprobs' fused log-probs and entropy, with their own backward); otherwise full
+    logits, log_softmax + gather and ppo_core.algo, the plain reference a researcher edits."""
+    labels = response_labels(ids, rm, P)
+    kl_in_loss = not cfg.kl_in_reward
+    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    want_entropy = cfg.entropy_coef != 0.0
+
+    def fused_head(hidden, weight):
+        return ppo_kernels.linear_policy_loss(
+            hidden, weight, labels, old_logp, advantages, rm, temperature=cfg.temperature, **clip,
+            dual_clip=cfg.dual_clip or None, **agg, ref_logp=ref_logp if kl_in_loss else None,
+            kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
+
+    def logprob_head(hidden, weight):  # -> (log-probs [B, R], entropy [B, R] or None), with gradient
+        if cfg.fused_kernels:
+            B, R, H = hidden.shape
+            out = ppo_kernels.linear_token_logprobs(hidden.reshape(B * R, H), weight, labels.reshape(B * R),
+                                                    temperature=cfg.temperature, return_entropy=want_entropy)
+            return (out[0].view(B, R), out[1].view(B, R)) if want_entropy else (out.view(B, R), None)
+        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
+        out = ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature, return_entropy=want_entropy)
+        return out if want_entropy else (out, None)
+
+    if cfg.fused_kernels and cfg.policy_loss_kind == "ppo":
+        loss, stats = response_head(policy, ids, am, P, fused_head)  # the KL and entropy terms are inside
+        logp = stats["logp"]  # detached; the KL term's value is reported separately below
+    else:
+        logp, entropy = response_head(policy, ids, am, P, logprob_head)
+        if cfg.policy_loss_kind == "gspo":
+            loss, stats = algo.gspo_policy_loss(logp, old_logp, advantages, rm, **clip, num_seqs=agg["num_seqs"])
+        else:
+            loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, dual_clip=cfg.dual_clip or None, **agg)
+        if want_entropy:
+            # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
+            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, rm, agg["agg"], num_tokens=agg["num_tokens"],
+                                                            num_seqs=agg["num_seqs"])
+            stats["entropy"] = algo.masked_mean(entropy.detach(), rm)
+    kl_loss = torch.zeros((), device=ids.device)  # on the loop's device: stacked with the losses below
+    if kl_in_loss:
+        kl_loss = algo.aggregate(algo.kl_estimate(logp.detach(), ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
+                                 num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+        if not (cfg.fused_kernels and cfg.policy_loss_kind == "ppo"):
+            loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
+                                                   num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+    # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
+    pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
+    return loss, pg_loss, kl_loss.detach(), stats
+
+
+def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn, train_policy=True):
+    """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic.
+
+    Minibatches are drawn from one permutation of the GLOBAL batch (the same on every process); each
+    process runs the rows of the minibatch that it holds, in micro-batches, and the gradients are summed
+    across processes (DDP / FSDP, on the last micro-batch) before `step_fn` steps the optimizers.
+    `policy` and `critic` are what training forwards run through (a DDP wrapper, an FSDP or plain model);
+    critic is None for the critic-free estimators. train_policy=False (critic warm-up) trains the critic alone.
+    With cfg.target_kl, the iteration stops after the first step whose approx KL(old || new) exceeds it.
+
+    Host reads. On a GPU every read of a device value on the host (.item(), .tolist(), bool()) waits for all
+    the work queued before it, so the loop makes them in one place per optimizer step: `minibatch_gradients`
+    only queues device work; then `_read_step_stats` copies the step's statistics to the host in one read,
+    and `step_fn` (Optimizers.step) reads the gradient norms (are they finite?). Shuffling and row selection are
+    host work on CPU tensors, no device read. (The model's forward reads whether the attention mask has
+    padding: ppo_core.model.) tests/test_fake_cuda.py runs this on fake CUDA tensors and checks where reads are."""
+    policy.train()
+    if critic is not None:
+        critic.train()
+    b = rollout.input_ids.shape[0]
+    world, lo = dist.world_size(), dist.rank() * b
+    stats: dict[str, list] = {}
+    first_ratio_dev, ratio_max_dev, steps, stopped = None, 0.0, 0, False
+    for epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(b * world, generator=generator)  # [b*world] CPU, the same on every process
+        for start in range(0, b * world, cfg.minibatch_size):
+            mb_global = order[start : start + cfg.minibatch_size]
+            mb = mb_global[(mb_global >= lo) & (mb_global < lo + b)] - lo  # this process's rows (CPU)
+            # Every process runs as many micro-batches as the busiest one (their gradient reductions pair
+            # up); each process knows every process's rows from the shared permutation, so no collective.
+            rows_per_process = (mb_global[None, :] // b == torch.arange(world)[:, None]).sum(-1)  # [world] CPU
+            n_micro = -(-int(rows_per_process.max()) // cfg.micro_batch_size)  # ceil
+            sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, mb, n_micro, cfg, kl_coef, autocast,
+                                                           train_policy)
+            values, tokens, (first_dev, max_dev) = _read_step_stats(sums, counts, ratio_devs)
+            for name, value, per_token in zip(MB_STATS, values, MB_STATS_PER_TOKEN):
+                _append(stats, name, value / tokens if per_token else value)
+            if first_ratio_dev is None:
+                first_ratio_dev = first_dev
+            ratio_max_dev = max(ratio_max_dev, max_dev)
+            for name, norm in step_fn(train_policy).items():
+                _append(stats, name, norm)
+            steps += 1
+            # Early stop (Spinning Up's PPO): the policy has moved as far from the sampling policy as allowed
+            if cfg.target_kl and train_policy and stats["policy/approx_kl"][-1] > cfg.target_kl:
+                stopped = True
+                break
+        if stopped:
+            break
+    out = {k: float(np.mean(v)) for k, v in stats.items()}  # means over the optimizer steps
+    for name in _unused_stats(cfg, critic is not None, train_policy):
+        out.pop(name, None)
+    out["train/steps"] = steps
+    if train_policy:
+        out["policy/ratio_max_dev"] = ratio_max_dev
+        # the processes' first micro-batches: old log-probs come from the training code path, so every process's first ratio
+        # is 1 up to the order of the log-sum-exp (bit-exact for the CPU demo: ~1e-6 at large vocabularies); on a GPU,
+        # kernels picked by batch shape (cuBLAS, SDPA) make it ~1e-3 off under bf16 autocast
+        out["policy/first_ratio_max_dev"] = first_ratio_dev
+    return out
+
+
+def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
+    """The MB_STATS and norms that this configuration does not compute."""
+    unused = []
+    if not train_policy:
+        unused += [n for n in MB_STATS + ("policy/grad_norm",) if n.startswith("policy/")]
+    else:
+        if cfg.kl_in_reward:
+            unused.append("policy/kl_loss")
+        if not cfg.dual_clip or cfg.policy_loss_kind == "gspo":
+            unused.append("policy/dual_clipfrac")
+        if not cfg.entropy_coef:
+            unused.append("policy/entropy")
+    if not has_critic:
+        unused += [n for n in MB_STATS + ("value/grad_norm",) if n.startswith("value/")]
+    return unused
+
+
+def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOConfig, kl_coef, autocast, train_policy=True):
+    """Forward and backward of policy and critic over this process's rows `mb` (a CPU index tensor) of one
+    minibatch, in n_micro micro-batches (a process short of rows runs one of its rows with no token in the loss:
+    gradient 0); gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
+    (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
+
+    Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
+    float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
+    global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
+    sequence counts) and ratio_devs [2] (max |ratio - 1| of the processes' first micro-batches, and of all of them)."""
+    device, P = rollout.input_ids.device, rollout.prompt_len
+    mask_mb = rollout.response_mask[mb]
+    # Global denominators for the whole minibatch, so the micro-batch losses of all processes
+    # add up to the minibatch's loss (and their gradients to its gradient).
+    counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
+    agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+    chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
+    sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
+    zero = torch.zeros((), device=device)
+    first_ratio_dev, max_ratio_dev = None, zero
+    for i in range(n_micro):
+        rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
+        ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
+        if i >= len(chunks):
+            rm = torch.zeros_like(rm)
+        last = i == n_micro - 1
+        n = rm.sum()
+        pg_loss = kl_loss = vf_loss = zero
+        pg_stats, vf_stats = {}, {}
+        if train_policy:
+            with dist.gradient_sync(policy, last):
+                with autocast():
+                    loss, pg_loss, kl_loss, pg_stats = policy_objective(
+                        policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
+                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
+                loss.backward()
+            if first_ratio_dev is None:
+                first_ratio_dev = pg_stats["ratio_max_dev"].detach()
+            max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
+        if critic is not None:
+            with dist.gradient_sync(critic, last):
+                with autocast():
+                    values = response_values(critic, ids, am, P).float()
+                vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
+                                                    clip=cfg.value_clip or None, **agg)
+                vf_loss.backward()
+        sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss] + [
+            (vf_stats if name.startswith("value/") else pg_stats).get(_STAT_KEYS[name], zero) * n for name in MB_STATS[3:]
+        ]).double()
+    if first_ratio_dev is None:
+        first_ratio_dev = zero
+    return dist.all_reduce_sum(sums), counts, dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev]))
+
+
+def _read_step_stats(sums, counts, ratio_devs):
+    """The optimizer step's one read of statistics: sums, the token count and the ratio deviations copied to the
+    host together. -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev)) as Python floats."""
+    host = torch.cat([sums, counts[:1].double(), ratio_devs.double()]).tolist()
+    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-2:])
+
+
+# the statistics summed over micro-batches and processes; the last ones are masked means times the token count
+MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/dual_clipfrac",
+            "policy/approx_kl", "policy/ratio_mean", "policy/entropy", "value/clipfrac", "value/values_mean")
+MB_STATS_PER_TOKEN = (False, False, False, True, True, True, True, True, True, True)
+# their keys in policy_loss's / value_loss's stats
+_STAT_KEYS = {"policy/clipfrac": "clipfrac", "policy/dual_clipfrac": "dual_clipfrac", "policy/approx_kl": "approx_kl",
+              "policy/ratio_mean": "ratio_mean", "policy/entropy": "entropy", "value/clipfrac": "clipfrac",
+              "value/values_mean": "values_mean"}
+
+
+def _append(stats, key, value):
+    stats.setdefault(key, []).append(value)
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class Optimizers:
+    """AdamW for policy and critic (None for the critic-free estimators), the LR schedules, and the skip-on-NaN rule,
+    stepped together.
+
+    Schedules run over optimizer steps: step k of iteration i is number i * steps_per_iter + k, so an iteration that
+    stops early (target_kl) leaves the schedule on time. The critic's spans all iterations; the policy's starts after
+    cfg.critic_warmup iterations (when it first steps) and spans the rest."""
+
+    def __init__(self, policy, critic, cfg: PPOConfig, steps_per_iter, log):
+        def adamw(model, lr):
+            # fused: one kernel over all parameters (on this project's CPU, one thread, 135M parameters: 0.15 s a
+            # step against the foreach default's 0.70 s); the same update, rounded in another order
+            return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                     betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                     fused=True)
+
+        self.cfg, self.steps_per_iter, self.log = cfg, steps_per_iter, log
+        self.policy, self.critic = policy, critic
+        self.policy_opt = adamw(policy, cfg.lr)
+        self.critic_opt = adamw(critic, cfg.critic_lr) if critic is not None else None
+        self.step_count = 0
+        self.consecutive_skips = 0
+        self.skipped = 0
+        self.iteration = 0
+
+    def start_iteration(self, it):
+        """Iteration `it` (0-based) begins: its first optimizer step is number it * steps_per_iter."""
+        self.iteration = it + 1
+        self.step_count = it * self.steps_per_iter
+
+    def lr_scales(self, step):
+        """(policy, critic) multipliers of the peak learning rates at optimizer step `step`."""
+        cfg, warm = self.cfg, self.cfg.critic_warmup * self.steps_per_iter
+        critic = lr_at(step, cfg.iterations * self.steps_per_iter, cfg)
+        policy = lr_at(max(0, step - warm), (cfg.iterations - cfg.critic_warmup) * self.steps_per_iter, cfg)
+        return policy, critic
+
+    def zero_grad(self):
+        for m in (self.policy, self.critic):
+            if m is not None:
+                m.zero_grad(set_to_none=True)
+
+    def step(self, train_policy=True):
+        """Clip the (already summed over processes) gradients and step the optimizers (the critic's alone when not
+        train_policy) — unless any gradient is not finite, in which case no weight is touched and the update is
+        counted as skipped. Returns the gradient norms before clipping: {"policy/grad_norm", "value/grad_norm"}."""
+        cfg = self.cfg
+        policy_scale, critic_scale = self.lr_scales(self.step_count)
+        stepped = [("policy", self.policy, self.policy_opt, cfg.lr * policy_scale)] if train_policy else []
+        if self.critic is not None:
+            stepped.append(("value", self.critic, self.critic_opt, cfg.critic_lr * critic_scale))
+        names, norms = [], []
+        for name, model, _, _ in stepped:
+            params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+            if params:
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                names.append(f"{name}/grad_norm"), norms.append(dist.local_tensor(norm).float())
+        host_norms = torch.stack(norms).tolist() if norms else []  # the step's one host read of the gradients
+        if all(math.isfinite(n) for n in host_norms):
+            for _, _, opt, lr in stepped:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+            self.consecutive_skips = 0
+        else:
+            self.skipped += 1
+            self.consecutive_skips += 1
+            self.log.info(f"iteration {self.iteration}: non-finite loss or gradient, update {self.step_count} skipped")
+            if self.consecutive_skips >= cfg.max_skipped_updates:
+                raise NonFiniteUpdates(f"stopping at iteration {self.iteration}: {self.consecutive_skips} consecutive "
+                                       f"updates had a non-finite loss or gradient (max_skipped_updates={cfg.max_skipped_updates})")
+        self.zero_grad()
+        self.step_count += 1
+        return dict(zip(names, host_norms))

@@ -1,0 +1,125 @@
+"""The house's layout, read from the code's own imports: arrows run downward only.
+
+    python -m pytest -q tests/test_layout.py
+
+Every import in ppo_core/ and kernels/ (the ppo_kernels package), at the top of a file or inside a function, is an
+arrow from one module to another. No module may reach itself by following them: a module that imports one that
+imports it back, directly or through others, is a circle, and a circle means neither file can be read, tested or
+changed on its own. bench/ and scripts/ stand above the packages and use only the names their modules export on
+purpose, never an underscore helper.
+"""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"ppo_core": os.path.join(ROOT, "ppo_core"), "ppo_kernels": os.path.join(ROOT, "kernels")}
+
+
+def package_modules() -> dict:
+    """{dotted module name: path} of every .py file of both packages ("ppo_core" itself for ppo_core/__init__.py)."""
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                modules[package if name == "__init__.py" else f"{package}.{name[:-3]}"] = os.path.join(folder, name)
+    return modules
+
+
+def imported_modules(module: str, path: str, modules: dict) -> set:
+    """The package modules that `module` imports anywhere in its file (relative imports resolved). `from P import n`
+    is an arrow to the module P.n when there is one, else to P; `import P.m` is an arrow to P.m."""
+    package = module if os.path.basename(path) == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {name for name in found if name in modules and name != module}
+
+
+def import_graph() -> dict:
+    modules = package_modules()
+    return {module: imported_modules(module, path, modules) for module, path in modules.items()}
+
+
+def import_cycles(graph: dict) -> list:
+    """Each group of modules that reach one another (Tarjan's strongly connected components of more than one
+    module, or a module that imports itself), as a sorted list of names."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v), on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def describe(cycle, graph) -> str:
+    """'a -> b, b -> a' for the arrows inside one cycle."""
+    return ", ".join(f"{a} -> {b}" for a in cycle for b in sorted(graph[a]) if b in cycle)
+
+
+def test_no_import_cycle_among_the_package_modules():
+    graph = import_graph()
+    assert "ppo_core.train" in graph and "ppo_core.algo" in graph["ppo_core.train"]  # the reader reads what it should
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(describe(c, graph) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e"]]
+    assert describe(["a", "b", "c"], graph) == "a -> b, b -> c, c -> a"
+
+
+def test_bench_and_scripts_use_no_underscore_helpers_of_the_packages():
+    """`from ppo_core.x import _helper` or `x._helper` on an imported package module: a name its module keeps to
+    itself, which a move inside the package may rename or drop without a word."""
+    modules = package_modules()
+    offences = []
+    for folder in ("bench", "scripts"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(ROOT, folder, name)
+            tree = ast.parse(open(path).read(), path)
+            bound = set()  # local names of imported package modules
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in PACKAGES)
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+                    for a in node.names:
+                        if a.name.startswith("_"):
+                            offences.append(f"{folder}/{name}:{node.lineno} imports {node.module}.{a.name}")
+                        elif f"{node.module}.{a.name}" in modules:
+                            bound.add(a.asname or a.name)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                        and node.attr.startswith("_") and not node.attr.startswith("__")):
+                    offences.append(f"{folder}/{name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not offences, "\n".join(offences)
