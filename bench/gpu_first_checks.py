@@ -6,7 +6,7 @@
 
 One line per check, `ok`, `FAILED` or `skipped`, with what was chosen or measured:
   dispatch       the kernels' backend for CUDA tensors (`ppo_kernels.backend`), the SM count the split
-                 plans use (`_sm_count`), and what the trainer's dtype='auto' resolves to here.
+                 plans use (`sm_count`), and what the trainer's dtype='auto' resolves to here.
   mm_fp32        which fp32-output matmul the Triton backward uses for bf16 and fp16 operands on CUDA
                  (kernels/linear_logprobs.py `mm_fp32_path`, probed on first use) and what each kind did. "rounded"
                  (each product rounded to bf16 first) would lose precision without failing anything: FAILED here.
@@ -27,7 +27,7 @@ One line per check, `ok`, `FAILED` or `skipped`, with what was chosen or measure
                  default): the captured and replayed step gives the tokens and log-probs of the eager static
                  step, for the shipped demo policy and a random Qwen3-style model.
   backward       the gradient of a log-prob + entropy loss through the model and the fused LM-head kernel
-                 (ppo_core.train.response_logprobs, fused=True) against float64 on the CPU: CUDA fp32 (TF32 off)
+                 (ppo_core.rollout.response_logprobs, fused=True) against float64 on the CPU: CUDA fp32 (TF32 off)
                  and CUDA bf16 autocast must be within 4x the CPU's own error at the same precision, or within
                  8 units of that precision's rounding (2^-24, 2^-8), whichever is larger.
 Exit status: 1 if any check FAILED, else 0.
@@ -52,7 +52,8 @@ from ppo_core import checkpoint, distributed  # noqa: E402
 from ppo_core.generate import filter_logits, sample_from_probs  # noqa: E402
 from ppo_core.model import CausalLM, ModelArgs, load_model  # noqa: E402
 from ppo_core.tokenizer import load_tokenizer  # noqa: E402
-from ppo_core.train import DEMO_CHECKPOINT, response_logprobs  # noqa: E402
+from ppo_core.rollout import response_logprobs  # noqa: E402
+from ppo_core.train import DEMO_CHECKPOINT  # noqa: E402
 
 QWEN_VOCAB = 151936
 
@@ -83,7 +84,7 @@ def prompts(vocab, device, B=6, P=10, seed=0):
 # ------------------------------------------------------------------------------------------------ the checks
 def check_dispatch(device):
     from ppo_core.config import build_config
-    from ppo_core.train import precision_line, resolve_precision
+    from ppo_core.precision import precision_line, resolve_precision
     import ppo_kernels
     from ppo_kernels import linear_logprobs
 
@@ -91,9 +92,9 @@ def check_dispatch(device):
     if device.type != "cuda":
         return "skipped", f"CUDA only; on the CPU: backend {ppo_kernels.backend(device)}, dtype='auto' -> {precision}"
     props = torch.cuda.get_device_properties(device)
-    sm = linear_logprobs._sm_count(device)
+    sm = linear_logprobs.sm_count(device)
     status = "ok" if ppo_kernels.backend(device) == "triton" and sm == props.multi_processor_count else "FAILED"
-    return status, (f"backend for CUDA tensors: {ppo_kernels.backend(device)}; _sm_count {sm} "
+    return status, (f"backend for CUDA tensors: {ppo_kernels.backend(device)}; sm_count {sm} "
                     f"(device: {props.multi_processor_count} SMs); dtype='auto' -> {precision}")
 
 
@@ -110,7 +111,7 @@ def check_mm_fp32(device):
         tried = []
         for kind in ll.MM_FP32_KINDS:
             try:
-                out = ll._mm_fp32_impl(kind, a, b, torch.full((16, 16), float("nan"), device=device), False)
+                out = ll.mm_fp32_impl(kind, a, b, torch.full((16, 16), float("nan"), device=device), False)
                 tried.append(f"{kind}: max err {(out.double() - exact).abs().max().item():.1e}")
             except Exception as e:
                 tried.append(f"{kind}: {type(e).__name__} {str(e).splitlines()[0][:60]}")

@@ -296,7 +296,7 @@ MM_FP32_KINDS = ("addmm_out_dtype", "mm_out_dtype_into", "mm_out_dtype", "rounde
 _MM_FP32_PATHS = {}  # (device, dtype) -> the kind chosen, filled on first use; see mm_fp32_path
 
 
-def _mm_fp32_impl(kind, a, b, out, accumulate):
+def mm_fp32_impl(kind, a, b, out, accumulate):
     """out (+)= a @ b computed the way `kind` names (see MM_FP32_KINDS); out is fp32 [M, N], a [M, K], b [K, N]."""
     beta = 1.0 if accumulate else 0.0  # beta = 0: `out` is not read, so its old contents (even NaN) do not matter
     if kind == "addmm_out_dtype":
@@ -327,8 +327,8 @@ def _probe_mm_fp32(device, dtype, kinds=MM_FP32_KINDS):
     bound = 2.0 ** -7 * (a.double().abs() @ b.double().abs()) + 1e-6  # loose: one bf16/fp16 rounding passes
     for kind in kinds:
         try:
-            fresh = _mm_fp32_impl(kind, a, b, torch.full((16, 16), float("nan"), device=device), False)
-            summed = _mm_fp32_impl(kind, a, b, torch.ones(16, 16, device=device), True)
+            fresh = mm_fp32_impl(kind, a, b, torch.full((16, 16), float("nan"), device=device), False)
+            summed = mm_fp32_impl(kind, a, b, torch.ones(16, 16, device=device), True)
         except (RuntimeError, TypeError, NotImplementedError):  # an overload this torch build lacks
             continue
         if ((fresh.double() - exact).abs() <= bound).all() and ((summed.double() - 1 - exact).abs() <= bound).all():
@@ -356,14 +356,16 @@ def _mm_fp32(a, b, out, accumulate=False):
     """out (+)= a @ b into an fp32 `out`, without first rounding the product to the inputs' dtype where torch
     allows it (see MM_FP32_KINDS; the path taken is `mm_fp32_path(a.device, a.dtype)`)."""
     with _autocast_off(a.device.type):
-        return _mm_fp32_impl(mm_fp32_path(a.device, a.dtype), a, b, out, accumulate)
+        return mm_fp32_impl(mm_fp32_path(a.device, a.dtype), a, b, out, accumulate)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Triton forward and backward
 # ----------------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _sm_count(device):
+def sm_count(device):
+    """The number of SMs the forward's vocabulary splits are planned for (a fixed stand-in off CUDA and under the
+    interpreter); public for the GPU script's first checks, which print it."""
     if _interpreting() or device.type != "cuda":
         return INTERPRETER_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -400,7 +402,7 @@ def _fwd_triton(hidden, weight, labels, temperature, split_v=None):
         return logprobs, entropy, lse
     opts = _triton_options(hidden.dtype)
     split_v, cols_per_split = _split_plan(N, V, weight.stride(0), opts["BLOCK_N"], opts["BLOCK_V"],
-                                          _sm_count(hidden.device), split_v if split_v is not None else FWD_SPLIT_V)
+                                          sm_count(hidden.device), split_v if split_v is not None else FWD_SPLIT_V)
     partials = torch.empty((4, split_v, N), device=hidden.device, dtype=torch.float32)  # m, s, a, label_z
     _linear_fwd_kernel[(triton.cdiv(N, opts["BLOCK_N"]), split_v)](
         hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),

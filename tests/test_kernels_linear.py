@@ -265,8 +265,8 @@ def test_mm_fp32_kinds_round_as_documented():
     working = []
     for kind in (*linear_module.MM_FP32_KINDS, "upcast"):
         try:
-            fresh = linear_module._mm_fp32_impl(kind, a, b, torch.full((16, 24), float("nan")), False)
-            summed = linear_module._mm_fp32_impl(kind, a, b, start.clone(), True)
+            fresh = linear_module.mm_fp32_impl(kind, a, b, torch.full((16, 24), float("nan")), False)
+            summed = linear_module.mm_fp32_impl(kind, a, b, start.clone(), True)
         except (RuntimeError, TypeError, NotImplementedError):
             continue  # an overload this torch build does not have on the CPU (addmm/mm out_dtype: CUDA only)
         working.append(kind)

@@ -14,7 +14,7 @@ pointers divisible by 16 get `tt.divisibility` 16, integers >= 2^31 become i64) 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`, as `JITFunction._do_compile` does.
 Pointer alignment comes from the CPU tensors: torch's CPU allocator aligns to 64 bytes, CUDA's to 256 or more,
 so a pointer is 16-byte aligned on both exactly when its offset into its storage is.
-`linear_logprobs._sm_count` (the GPU's SM count, which picks the forward's vocabulary splits) is set to the
+`linear_logprobs.sm_count` (the GPU's SM count, which picks the forward's vocabulary splits) is set to the
 card's while recording; it is the one device query on the path. The small shapes give 32-bit integer arguments;
 LARGE (N = 16384 tokens, Qwen3's V = 151936, H = 4096: N * V >= 2^31) gives token_logprobs' `stride_outer` as i64,
 as a real batch does. Its logits, hidden states and weights are meta tensors (shapes, strides and a data_ptr of
@@ -206,17 +206,17 @@ def record_launches(sm_count):
         return None
 
     real_run = JITFunction.run
-    real_sm_count = getattr(linear_logprobs, "_sm_count", None)
+    real_sm_count = getattr(linear_logprobs, "sm_count", None)
     JITFunction.run = recorder
     if real_sm_count is not None:
-        linear_logprobs._sm_count = lambda device: sm_count
+        linear_logprobs.sm_count = lambda device: sm_count
     try:
         for case[0] in exercise_wrappers():
             pass
     finally:
         JITFunction.run = real_run
         if real_sm_count is not None:
-            linear_logprobs._sm_count = real_sm_count
+            linear_logprobs.sm_count = real_sm_count
     return launches
 
 
