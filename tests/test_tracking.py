@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -261,12 +262,15 @@ def test_wandb_offline_metrics_config_and_samples(tmp_path, monkeypatch, wandb_h
     assert table["data"] == [[row[c] for c in table["columns"]] for row in ROWS]
     assert len(history) == 4
 
-    # a resume from the step-2 checkpoint continues the same W&B run; a fresh start makes a new one
+    # a resume from the step-2 checkpoint continues the same W&B run; a fresh start makes a new one. W&B names an
+    # offline log by the second it starts in: started in the first log's second, the resume's log could share its
+    # directory (seen once in three suite runs on a loaded machine: the first log read back); start in the next second
+    time.sleep(1.01 - time.time() % 1)
     with Tracker("wandb", run, CONFIG, "reverse-demo", resume_step=2) as tracker:
         tracker.log(METRICS[2], 3)
     wandb_home.teardown()
     assert (tmp_path / "run" / "wandb_id.txt").read_text().strip() == run_id
-    # the newest log of run ID (a log started in the same second as the first one replaces it)
+    # the newest log of run ID
     assert wandb_history(read_wandb_records(wandb_logs(run, run_id)[-1])) == [
         {"step": 3, **{k: METRICS[2][k] for k in SCALARS}}]
     fresh_id = tracking.wandb_run_id(run, 0)
