@@ -6,7 +6,9 @@
 #     bash bench/offline_install.sh --dry-run    # build and check everything, install nothing
 #
 # Only this package (--no-deps: the machine's torch/triton stay as they are). Two ways, the first that applies:
-#   editable  `pip install --no-build-isolation --no-deps -e .` (PEP 660). It builds an editable wheel, so it needs
+#   editable  `pip install --no-build-isolation --no-deps --use-pep517 -e .` (PEP 660; without --use-pep517, pip 24.0
+#             with setuptools 81 on the H200 machine took the legacy `setup.py develop`, which runs pip again with build
+#             isolation and failed offline). It builds an editable wheel, so it needs
 #             setuptools' bdist_wheel command: setuptools >= 70.1 carries it, older ones take it from the `wheel`
 #             package. Without it (e.g. pip 23.2 + setuptools 65.5, a fresh python 3.11 venv) metadata generation
 #             stops with "error: invalid command 'bdist_wheel'".
@@ -54,7 +56,7 @@ PY
 echo "found: $(cat "$work/found")"
 
 editable() {
-  local cmd=(python3 -m pip install --no-build-isolation --no-deps -e .)
+  local cmd=(python3 -m pip install --no-build-isolation --no-deps --use-pep517 -e .)
   ((dry_run)) && cmd+=(--dry-run)
   echo "editable: ${cmd[*]}"
   "${cmd[@]}" > "$work/editable.log" 2>&1
