@@ -72,12 +72,14 @@ def run(cfg: PPOConfig, resume_from=None):
     # Set up. Everything that can be wrong with the input is checked before the run directory is touched.
     check_process_count(cfg, world)
     runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
-    tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, precision.param_dtype)
+    tokenizer = load_tokenizer(policy_path)  # the prompts are checked against it before any model is built
     check_chat_template(cfg, tokenizer, policy_path)
+    train_rows, held_out, stream = prompt_rows(cfg)
+    prompt_lengths = encoded_lengths(cfg, tokenizer, held_out + train_rows)
+    tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, precision.param_dtype)
     reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
     policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
-    train_rows, held_out, stream = prompt_rows(cfg)
-    check_prompts(cfg, tokenizer, policy, train_rows, held_out, reward_source, eval_source)
+    check_prompts(cfg, policy, train_rows, held_out, prompt_lengths, reward_source, eval_source)
     run_dir, ckpt, log, tracker = open_run_dir(cfg, policy_path, resume_from, precision)
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
@@ -235,10 +237,24 @@ def prompt_rows(cfg: PPOConfig):
     return train_rows, held_out, RowStream(train_rows, cfg.seed)
 
 
-def check_prompts(cfg: PPOConfig, tokenizer, policy, train_rows, held_out, reward_source, eval_source):
+def encoded_lengths(cfg: PPOConfig, tokenizer, rows) -> list[int]:
+    """The token count of each row's prompt as the policy sees it (prompt_token_ids). A row the tokenizer cannot encode
+    (a character its vocabulary lacks, and no unknown token) is a ConfigError naming its file, row and character."""
+    lengths = []
+    for row in rows:
+        try:
+            lengths.append(len(prompt_token_ids(tokenizer, row, cfg)))
+        except UnknownTextError as e:
+            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+            raise ConfigError(f"{where_is(row, files)}: {e}") from None
+    return lengths
+
+
+def check_prompts(cfg: PPOConfig, policy, train_rows, held_out, prompt_lengths, reward_source, eval_source):
     """The prompts against what reads them: the columns each reward source needs are there (or will be sampled: a
-    pairwise judge's reference responses), no column would hide one of samples.jsonl's own, and every prompt encodes
-    and leaves room in the policy's context for max_new_tokens. A ConfigError or RewardError names the first misfit."""
+    pairwise judge's reference responses), no column would hide one of samples.jsonl's own, and every prompt
+    (prompt_lengths: the token counts of held_out + train_rows) leaves room in the policy's context for
+    max_new_tokens. A ConfigError or RewardError names the first misfit."""
     columns = set(columns_of(train_rows + held_out)) | ({cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
     reward_source.check_columns(sorted(columns))  # a column the reward needs is there (or will be sampled)
     if eval_source is not reward_source:
@@ -248,12 +264,7 @@ def check_prompts(cfg: PPOConfig, tokenizer, policy, train_rows, held_out, rewar
         raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
                           f"samples.jsonl's own '{clash[0]}'; rename that column")
     context = policy.args.max_position_embeddings
-    for row in held_out + train_rows:
-        try:
-            n = len(prompt_token_ids(tokenizer, row, cfg))
-        except UnknownTextError as e:  # a character the vocabulary lacks, and no unknown token: name its file and row
-            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
-            raise ConfigError(f"{where_is(row, files)}: {e}") from None
+    for row, n in zip(held_out + train_rows, prompt_lengths):
         if n + cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {prompt_text(row)[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} "
                               f"it exceeds the model's context of {context} tokens")
