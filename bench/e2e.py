@@ -240,10 +240,10 @@ def run_ppo_core(args, paths, precision, side):
     real_reward_source, real_sample_and_score = train.make_reward_source, rollout.sample_and_score
 
     def build_models(*a, **k):
-        tokenizer, policy, critic, reference = real_build(*a, **k)
+        policy, critic, reference = real_build(*a, **k)
         for model in {policy, critic, reference}:
             probe.attach(model.model.layers[0].self_attn.o_proj)
-        return tokenizer, policy, critic, reference
+        return policy, critic, reference
 
     def make_reward_source(*a, **k):
         source = real_reward_source(*a, **k)

@@ -76,7 +76,7 @@ def run(cfg: PPOConfig, resume_from=None):
     check_chat_template(cfg, tokenizer, policy_path)
     train_rows, held_out, stream = prompt_rows(cfg)
     prompt_lengths = encoded_lengths(cfg, tokenizer, held_out + train_rows)
-    tokenizer, policy, critic, reference = build_models(cfg, policy_path, device, precision.param_dtype)
+    policy, critic, reference = build_models(cfg, policy_path, tokenizer, device, precision.param_dtype)
     reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
     policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     check_prompts(cfg, policy, train_rows, held_out, prompt_lengths, reward_source, eval_source)
@@ -156,10 +156,10 @@ def check_process_count(cfg: PPOConfig, world):
                           f"multiples of the number of processes ({world})")
 
 
-def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
-    """Tokenizer, policy, critic (None for the critic-free estimators: nothing built, trained or saved) and the
-    frozen reference: the policy itself when LoRA adapters switched off give the reference weights."""
-    tokenizer = load_tokenizer(policy_path)
+def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
+    """Policy, critic (None for the critic-free estimators: nothing built, trained or saved) and the frozen reference:
+    the policy itself when LoRA adapters switched off give the reference weights. `tokenizer`: the policy's, whose
+    vocabulary must fit the model's."""
     policy = load_model(policy_path, dtype=param_dtype, device=device)
     critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device) if uses_critic(cfg) else None
     trainable = [m for m in (policy, critic) if m is not None]
@@ -175,7 +175,7 @@ def build_models(cfg: PPOConfig, policy_path, device, param_dtype):
         raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
     for model in trainable:
         model.model.gradient_checkpointing = cfg.gradient_checkpointing
-    return tokenizer, policy, critic, reference
+    return policy, critic, reference
 
 
 def check_chat_template(cfg: PPOConfig, tokenizer, policy_path):
