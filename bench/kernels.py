@@ -7,6 +7,7 @@
     python bench/kernels.py --device cpu --quick       # tiny CPU shapes, ~7 min: checks that every row runs
     python bench/kernels.py --smoke                    # the GPU runner's code on the CPU at tiny shapes, seconds
     python bench/kernels.py --only linear              # one op (and its -autocast rows): logits | linear | loss
+    python bench/kernels.py --device cuda --only paged # paged decode attention alone (the GPU table's last section)
 
 Physical units against ceilings measured in the same run, in the same process: GB/s against a large tensor
 copy (bytes = one read of the logits for the forward, read + read + write for forward + backward) for the
@@ -17,6 +18,9 @@ same shape and dtype. "linear-autocast" and "loss-autocast" feed fp32 hidden sta
 autocast, as the trainer does (fp32 master weights): the fused kernels should run their bf16 path there, at the
 bf16 row's speed. On the CPU every op is measured in float32 and in bfloat16 (the bf16 rows' %ceil is against a
 bf16 matmul measured in the same run; bf16 GEMMs run at 2-3x the fp32 rate on CPUs with AVX512-BF16 or AMX).
+On CUDA (and --smoke) a last section times paged decode attention (ppo_kernels.decode_attention: one query per
+sequence over a paged bf16 KV cache; forward only): time per call, and K + V bytes read per call / time against the
+same copy bandwidth (B = 64 sequences of 1024 keys, Qwen3-0.6B's 16 query / 8 kv heads of 128, 16-token blocks).
 
 CUDA (and --smoke): inputs are made on the device with a device generator; every implementation runs in one
 process, one after another, with the allocator's peak statistics reset between them ("extra MiB" =
@@ -383,6 +387,73 @@ def run_subprocess(args, timeout):
     return {"error": tail[:120]}
 
 
+# -------------------------------------------------------------------------------------------- paged decode attention
+# (batch, n_heads, n_kv_heads, head_dim, keys per sequence, block size): Qwen3-0.6B decoding 64 sequences at 1024 keys
+PAGED_SHAPE = (64, 16, 8, 128, 1024, 16)
+PAGED_SMOKE_SHAPE = (2, 4, 2, 32, 40, 16)
+PAGED_CALLS = 20  # calls per timing: one call (~0.1 ms) is too short to time alone
+
+
+def paged_attention_inputs(shape, dtype, device):
+    """(q, k_cache, v_cache, block_tables, seq_lens): a pool holding exactly the batch's blocks, in shuffled order."""
+    B, n_heads, n_kv_heads, head_dim, seq_len, block_size = shape
+    g = torch.Generator(device=device).manual_seed(SEED)
+    max_blocks = -(-seq_len // block_size)
+    pool_shape = (B * max_blocks, block_size, n_kv_heads, head_dim)
+    k_cache = torch.randn(pool_shape, generator=g, device=device).to(dtype)
+    v_cache = torch.randn(pool_shape, generator=g, device=device).to(dtype)
+    tables = torch.randperm(B * max_blocks, generator=g, device=device).view(B, max_blocks).to(torch.int32)
+    q = torch.randn(B, n_heads, head_dim, generator=g, device=device).to(dtype)
+    return q, k_cache, v_cache, tables, torch.full((B,), seq_len, dtype=torch.int32, device=device)
+
+
+def paged_attention_table(device, ceiling, warmup, repeats, smoke=False):
+    """Time ppo_kernels.decode_attention and the torch reference on one decoding step; print a table of physical
+    units. Bytes = the K and V each call must read (every key of every sequence once, per kv head); the GB/s are
+    against the copy bandwidth measured in this run. The median over `repeats` timings of PAGED_CALLS calls each,
+    after `warmup` untimed calls (Triton JIT). Returns the names of the rows that failed."""
+    from ppo_kernels import decode_attention, paged_decode_attention_reference
+    shape = PAGED_SMOKE_SHAPE if smoke else PAGED_SHAPE
+    B, n_heads, n_kv_heads, head_dim, seq_len, block_size = shape
+    dtype = torch.bfloat16
+    cuda = device == "cuda"
+    inputs = paged_attention_inputs(shape, dtype, device)
+    calls = 1 if smoke else PAGED_CALLS
+    kv_bytes = 2 * B * seq_len * n_kv_heads * head_dim * dtype.itemsize  # [B, L, nkv, hd] keys + values
+    print(f"\n## paged decode attention, {device}: B = {B}, {seq_len} keys, {n_heads} q / {n_kv_heads} kv heads of "
+          f"{head_dim}, {block_size}-token blocks, bf16; K + V read per call: {kv_bytes / 2**20:.0f} MiB\n")
+    print("| impl | us per call | K+V GB/s | % of copy |")
+    print("|---|---|---|---|")
+    failed = []
+    for name, fn in (("ppo_kernels", decode_attention), ("torch reference", paged_decode_attention_reference)):
+        try:
+            for _ in range(warmup):
+                fn(*inputs)
+            times = []
+            for _ in range(repeats):
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                else:
+                    t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(*inputs)
+                if cuda:
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3 / calls)
+                else:
+                    times.append((time.perf_counter() - t0) / calls)
+            seconds = statistics.median(times)
+            gbps = kv_bytes / seconds / 1e9
+            print(f"| {name} | {seconds * 1e6:.1f} | {gbps:.0f} | {100 * gbps / ceiling['copy_GBps']:.0f}% |",
+                  flush=True)
+        except Exception as e:  # e.g. out of memory: the row says so, the run goes on
+            print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160] + " | | |")
+            failed.append(name)
+    return failed
+
+
 # -------------------------------------------------------------------------------------------- the table
 def work_units(op, shape):
     """(bytes, flops) for forward and forward + backward: the physical floor of each op."""
@@ -575,7 +646,8 @@ def main():
     parser.add_argument("--smoke", action="store_true",
                         help="the CUDA runner (one process, device-made inputs) at toy shapes on --device (cpu: "
                              "ppo_kernels on the Triton interpreter when TRITON_INTERPRET=1 and PPO_KERNELS_BACKEND=triton)")
-    parser.add_argument("--only", choices=sorted(IMPLS), help="run one op (and its -autocast variant)")
+    parser.add_argument("--only", choices=sorted(IMPLS) + ["paged"],
+                        help="run one op (and its -autocast variant); paged: decode attention (CUDA, --smoke)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per row (CUDA, --smoke) or rounds of one call each (CPU)")
@@ -592,7 +664,10 @@ def main():
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/kernels.py: --device cuda but torch sees no CUDA device")
+    paged_failed = []
     if args.device == "cpu" and not args.smoke:
+        if args.only == "paged":
+            sys.exit("bench/kernels.py: --only paged runs on CUDA (or with --smoke)")
         rows, ceiling = run_cpu_subprocesses(args)
         print_table(rows, ceiling, args.device)
     else:
@@ -600,13 +675,17 @@ def main():
         no_compile = args.no_compile or args.smoke  # the smoke run checks code paths, not inductor on a CPU
         rows, ceiling = run_in_process(args.device, cases, lambda name: not (no_compile and name == "torch.compile"),
                                        args.warmup, args.repeats, small_ceilings=args.smoke)
-    autocast_summary(rows)
-    if args.device == "cuda" or args.smoke:  # the Triton kernels' runs (the CPU tables run the torch paths)
-        goals_summary(rows, ceiling)
-        path = mm_fp32_path(args.device)
-        if path:
-            print(f"fp32-output matmul of the bf16 backward on {args.device}: {path}")
-    if args.smoke and any("error" in r[-1] for r in rows):
+        if args.only in (None, "paged"):
+            paged_failed = paged_attention_table(args.device, ceiling, max(args.warmup, 1), args.repeats,
+                                                 smoke=args.smoke)
+    if args.only != "paged":  # --only paged: no table of the other ops to sum up
+        autocast_summary(rows)
+        if args.device == "cuda" or args.smoke:  # the Triton kernels' runs (the CPU tables run the torch paths)
+            goals_summary(rows, ceiling)
+            path = mm_fp32_path(args.device)
+            if path:
+                print(f"fp32-output matmul of the bf16 backward on {args.device}: {path}")
+    if args.smoke and (any("error" in r[-1] for r in rows) or paged_failed):
         sys.exit("bench/kernels.py --smoke: a row failed (see the table)")
 
 

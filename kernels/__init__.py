@@ -28,6 +28,7 @@ else:
     from .logprobs import _backend as backend  # backend(device) -> "triton" or "torch": what runs for its tensors
     from .logprobs import token_logprobs, token_logprobs_reference
     from .loss import linear_policy_loss, linear_policy_loss_reference, policy_loss, policy_loss_reference
+    from .paged_attention import decode_attention, paged_decode_attention, paged_decode_attention_reference
 
     __all__ = [
         "backend",
@@ -35,4 +36,5 @@ else:
         "linear_token_logprobs", "linear_token_logprobs_reference",
         "policy_loss", "policy_loss_reference",
         "linear_policy_loss", "linear_policy_loss_reference",
+        "decode_attention", "paged_decode_attention", "paged_decode_attention_reference",
     ]

@@ -14,8 +14,9 @@ pointers divisible by 16 get `tt.divisibility` 16, integers >= 2^31 become i64) 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`, as `JITFunction._do_compile` does.
 Pointer alignment comes from the CPU tensors: torch's CPU allocator aligns to 64 bytes, CUDA's to 256 or more,
 so a pointer is 16-byte aligned on both exactly when its offset into its storage is.
-`linear_logprobs.sm_count` (the GPU's SM count, which picks the forward's vocabulary splits) is set to the
-card's while recording; it is the one device query on the path. The small shapes give 32-bit integer arguments;
+`linear_logprobs.sm_count` and `paged_attention.sm_count` (the GPU's SM count, which picks the linear forward's
+vocabulary splits and paged decode attention's KV splits) are set to the card's while recording; they are the only
+device queries on the path. The small shapes give 32-bit integer arguments;
 LARGE (N = 16384 tokens, Qwen3's V = 151936, H = 4096: N * V >= 2^31) gives token_logprobs' `stride_outer` as i64,
 as a real batch does. Its logits, hidden states and weights are meta tensors (shapes, strides and a data_ptr of
 storage offset x element size, no memory), so that launch is recorded from the wrappers as the others are.
@@ -66,8 +67,9 @@ except (ImportError, AssertionError):
 import ppo_kernels.linear_logprobs as linear_logprobs  # noqa: E402
 import ppo_kernels.logprobs as logprobs  # noqa: E402
 import ppo_kernels.loss as loss  # noqa: E402
+import ppo_kernels.paged_attention as paged_attention  # noqa: E402
 
-KERNEL_MODULES = (logprobs, linear_logprobs, loss)
+KERNEL_MODULES = (logprobs, linear_logprobs, loss, paged_attention)
 # name: (compute capability, SMs of the card, largest shared memory one block may use (opt-in), in bytes)
 ARCHS = {
     "sm_90a": (90, 132, 227 * 1024),  # H100 SXM / H200: 228 KB per SM, 227 KB per block
@@ -91,6 +93,12 @@ ENTROPY_COEF = 0.01
 # loss.TRITON_LOSS_CHUNK_ELEMENTS (2^26) elements whatever N is, and it picks its rows from the mask's values
 # (nonzero), which meta tensors do not have.
 LARGE = ("large", 16384, 151936, 4096)
+# Paged decode attention, fp32 and bf16 caches of 16-token blocks, 1024 keys per sequence: (name, n_heads,
+# n_kv_heads, head_dim, window, batch sizes). The batch picks the KV splits (default_num_splits at the card's SM
+# count): Qwen3-0.6B's heads at B = 16 split in 5 (sm_90a) / 4 (sm_80) (partials, then the merge kernel), at B = 256
+# in 1 (the split kernel writes the output).
+PAGED_SHAPES = (("qwen3-0.6b", 16, 8, 128, None, (16, 256)), ("gqa4-hd64-window", 32, 8, 64, 256, (16,)))
+PAGED_BLOCK_SIZE, PAGED_KEYS = 16, 1024
 # (what was altered, kernel, dtype of the recorded case, launch keywords replaced, what the rule must say).
 # UPCAST is the kernels' own cast of both tl.dot operands to fp32 (the interpreter's branch): on a bf16 launch it
 # is the edit that loses the bf16 tensor cores while still compiling to tensor-core instructions (tf32 ones).
@@ -177,6 +185,18 @@ def exercise_wrappers():
                         kl_kind=kl_kind, entropy_coef=entropy_coef)
                 loss_value.backward()
 
+    for shape_name, n_heads, n_kv_heads, head_dim, window, batches in PAGED_SHAPES:
+        max_blocks = PAGED_KEYS // PAGED_BLOCK_SIZE
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            yield f"paged_decode_attention {shape_name} {dtype_name}"
+            for B in batches:
+                # a small pool that the sequences share (nothing runs): the strides are those of any pool's
+                k_cache = torch.zeros(max_blocks, PAGED_BLOCK_SIZE, n_kv_heads, head_dim, dtype=dtype)
+                tables = torch.randint(0, max_blocks, (B, max_blocks), generator=gen, dtype=torch.int32)
+                paged_attention.paged_decode_attention(
+                    randn(B, n_heads, head_dim, dtype=dtype), k_cache, torch.zeros_like(k_cache), tables,
+                    torch.full((B,), PAGED_KEYS, dtype=torch.int32), window=window)
+
     # LARGE: one call of each logits wrapper, both gradients, every row kept (meta tensors cannot select rows)
     shape_name, N, V, H = LARGE
     labels = torch.randint(0, V, (N,), generator=gen)  # a real CPU tensor: _check_labels reads it
@@ -206,17 +226,18 @@ def record_launches(sm_count):
         return None
 
     real_run = JITFunction.run
-    real_sm_count = getattr(linear_logprobs, "sm_count", None)
+    real_sm_counts = {module: module.sm_count for module in (linear_logprobs, paged_attention)
+                      if hasattr(module, "sm_count")}
     JITFunction.run = recorder
-    if real_sm_count is not None:
-        linear_logprobs.sm_count = lambda device: sm_count
+    for module in real_sm_counts:
+        module.sm_count = lambda device: sm_count
     try:
         for case[0] in exercise_wrappers():
             pass
     finally:
         JITFunction.run = real_run
-        if real_sm_count is not None:
-            linear_logprobs.sm_count = real_sm_count
+        for module, real_sm_count in real_sm_counts.items():
+            module.sm_count = real_sm_count
     return launches
 
 
