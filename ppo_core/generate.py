@@ -51,6 +51,39 @@ def sample_from_probs(probs, uniforms):
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def _int64(value):
+    """A Python int as the int64 with the same low 64 bits (two's complement)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _splitmix64(z):
+    """splitmix64's finaliser on an int64 tensor in wrapping 64-bit arithmetic (torch's int64 add and multiply wrap;
+    a logical right shift is the arithmetic one with the sign bits masked off)."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _MIX1
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def counter_uniforms(seed, rows, token_index):
+    """[n] float64 in [0, 1): the sampling noise of rows `rows` [n] int64 at token `token_index` ([n] int64 or an
+    int) under `seed`, a function of those three numbers only (a counter-based generator: splitmix64 applied three
+    times, u = mix(mix(mix(seed + g) + row + g) + index + g) / 2^64 with 53 bits kept). So a row's tokens do not
+    depend on which rows share a step, on preemption or on the number of processes (ppo_core.engine), and
+    generate(noise_seed=...) draws the same noise for a comparison."""
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    index = torch.as_tensor(token_index, dtype=torch.long, device=rows.device)
+    z = _splitmix64(torch.full_like(rows, _int64(seed)) + _GOLDEN)
+    z = _splitmix64(z + rows + _GOLDEN)
+    z = _splitmix64(z + index + _GOLDEN)
+    return ((z >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
+
+
 def filter_logits(logits, top_k=0, top_p=1.0):
     """Mask to -inf everything outside the top-k tokens and outside the smallest set whose
     probability reaches top_p (the first token past the threshold is kept). logits: [B, V] float32."""
@@ -141,6 +174,7 @@ def generate(
     global_rows=None,
     static_cache=None,
     cuda_graph=False,
+    noise_seed=None,
 ):
     """Sample up to `max_new_tokens` after each prompt.
 
@@ -161,6 +195,8 @@ def generate(
     None (default) = on except on the CPU, where attending over the filled slots only is faster for long
     responses after short prompts.
     cuda_graph: capture that step as a CUDA graph (CUDAGraphStep); needs static_cache on a CUDA device.
+    noise_seed: draw the sampling noise with `counter_uniforms(noise_seed, row, token index)` instead of `generator`
+    (rows numbered from global_rows' offset): the noise of the rollout engine (ppo_core.engine), for comparisons.
     eos_token_id: an id, a list/tuple of ids (a row stops at the first token that is any of them), or None (never
     stop). pad_token_id: what fills a row after its EOS; None = the first EOS id (0 without one).
     """
@@ -216,7 +252,10 @@ def generate(
             else:
                 scaled = filter_logits(logits / temperature, top_k, top_p)
                 probs = scaled.softmax(-1)
-                if global_rows is None:
+                if noise_seed is not None:
+                    first_row = global_rows[0] if global_rows is not None else 0
+                    uniforms = counter_uniforms(noise_seed, torch.arange(first_row, first_row + B, device=device), t)
+                elif global_rows is None:
                     uniforms = torch.rand(B, generator=generator, device=device)
                 else:  # these rows are rows offset.. of a global batch: draw its noise, keep our slice
                     offset, global_batch = global_rows

@@ -616,10 +616,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.n_heads * hs, args.rms_norm_eps, weight_in_float32=True)
             self.k_norm = RMSNorm(self.n_kv * hs, args.rms_norm_eps, weight_in_float32=True)
 
-    def forward(self, x, rope, attn_mask, cache: KVCache | None, static=False):
+    def forward(self, x, rope, attn_mask, cache: KVCache | None, static=False, attend=None):
         """x [B, T, H]; rope: (cos, sin) [B, 1, T, hs] or None (NoPE layer); attn_mask: [B, 1, T, S] bool
         (True = may attend), or None for plain causal attention; static: the fixed-shape decode step
-        (see cache_keys_values). Returns [B, T, H]."""
+        (see cache_keys_values). attend: the rollout engine's paged attention (Backbone.forward_paged): with it,
+        x is one flat batch [1, N, H] of several sequences' tokens and attend(layer index, q [N, nh, hs],
+        k, v [N, nkv, hs]) stores k, v and returns the attention output [N, nh, hs]. Returns [B, T, H]."""
         B, T, _ = x.shape
         if self.packed_qkv is not None and not torch.is_grad_enabled():  # CPU fast path: one matmul
             q, k, v = packed_linear(x, *self.packed_qkv).split(
@@ -638,6 +640,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, nh|nkv, T, hs]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if attend is not None:  # B = 1: the flat batch of the rollout engine
+            y = attend(self.layer_idx, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, nh, hs]
+            return self.o_proj(y.to(q.dtype).reshape(B, T, self.n_heads * self.head_dim))
         is_causal = attn_mask is None and cache is None
         dtype = q.dtype
         if cache is not None:
@@ -722,11 +727,11 @@ class Block(nn.Module):
             self.input_layernorm = make_norm(args, args.hidden_size)
             self.post_attention_layernorm = make_norm(args, args.hidden_size)
 
-    def forward(self, x, rope, attn_mask, cache, static=False):
+    def forward(self, x, rope, attn_mask, cache, static=False, attend=None):
         if self.norm_after:
-            x = x + self.post_attention_layernorm(self.self_attn(x, rope, attn_mask, cache, static))
+            x = x + self.post_attention_layernorm(self.self_attn(x, rope, attn_mask, cache, static, attend))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache, static)
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache, static, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -877,6 +882,19 @@ class Backbone(nn.Module):
         cache.slot += 1
         cache.length += 1  # the host copy, for a later `forward`; never read here (a CUDA graph replay skips it)
         return self.norm(x)
+
+
+    def forward_paged(self, input_ids, positions, attend, n_positions):
+        """The rollout engine's step (ppo_core.engine): input_ids [N], the new tokens of several sequences one after
+        the other, at positions [N] (each its place in its own sequence, all < n_positions, which the host knows);
+        attend(layer index, q, k, v) runs attention against each sequence's cached keys (Attention.forward).
+        -> hidden [N, H]."""
+        x = self.embed_tokens(input_ids[None])  # [1, N, H]
+        ropes = self.ropes(positions[None], n_positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            rope = ropes.get(self.args.layer_types[i]) if self.args.use_rope[i] else None
+            x = layer(x, rope, None, None, attend=attend)
+        return self.norm(x)[0]
 
 
 class PretrainedMixin:

@@ -1,0 +1,298 @@
+"""The rollout engine: sampling from ppo-core's own model over a paged KV cache, with continuous batching.
+
+    engine = RolloutEngine(policy)
+    responses = engine.generate([[1, 5, 9], [1, 7]], 64, temperature=1.0, eos_token_id=tok.eos_token_ids, seed=3)
+    # -> one list of new token ids per prompt, ending at (and including) its first EOS
+
+What it does differently from `ppo_core.generate` (the plain padded reference, which it must agree with):
+- The KV cache is a pool of fixed-size blocks (`block_size` positions of one sequence each, in every layer of a
+  group), sized by a byte budget for the call and freed when it returns (the update gets the memory back, and a
+  cache of the old weights could not serve the next rollout anyway). A sequence holds the blocks its tokens fill, no
+  more: no row is padded to the longest prompt or response.
+- Continuous batching (ppo_core.scheduler): every step computes, in ONE forward over a flat batch of tokens, the next
+  token of every running sequence and a chunk of each prompt being prefilled; a sequence that ends leaves at once and
+  a waiting one takes its place. When blocks run out the newest sequence is preempted and recomputed later.
+- Shared prefixes (ppo_core.kv_blocks): the n samples of a GRPO group, and prompts that share a system prompt, are
+  prefilled once; the other samples find the blocks by their content.
+- Sampling noise is `counter_uniforms(seed, row, token index)`: a sequence's tokens do not depend on which
+  sequences share its steps, on preemption, or on how the rows are split over processes (`rows`).
+
+Layer groups. Layers that attend to a sliding window shorter than the call's longest sequence keep their keys in a
+pool of their own, where a sequence holds only the blocks its next query can see; every other layer (full attention,
+NoPE, q/k norms: whatever Attention computes) shares the main pool. Attention over the pool is
+ppo_kernels.paged_attention (a Triton flash-decoding kernel on CUDA, its torch reference elsewhere) for the
+sequences that compute one token in a step, and fused SDPA (ppo_core.model.attention) over the gathered keys for a
+prefill chunk.
+
+Precision as in ppo_core.generate: under autocast the matmuls compute in bf16; the cache is kept in the autocast
+dtype on a GPU and in float32 under CPU autocast (where attention computes in float32); on the CPU float32 models
+multiply with oneDNN-packed weights for the duration of the call.
+"""
+from contextlib import nullcontext
+
+import torch
+from torch.profiler import record_function
+
+from ppo_kernels import backend
+from ppo_kernels.paged_attention import paged_decode_attention
+
+from .generate import counter_uniforms, filter_logits, sample_from_probs
+from .model import CausalLM, attention, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
+from .scheduler import Scheduler, Sequence
+
+CPU_KV_CACHE_GB = 4.0
+"""The CPU's default pool budget (GiB): an upper bound; a call allocates only what its sequences can use at once."""
+GPU_FREE_MEMORY_FRACTION = 0.8
+"""On a GPU the default budget is this fraction of the memory free when the call starts (the models are loaded)."""
+
+
+class RolloutEngine:
+    """Generation for a CausalLM (a policy with or without LoRA, a reference, a judge) over a paged KV cache.
+
+    kv_cache_gb: the byte budget of the pool (None: CPU_KV_CACHE_GB on the CPU, GPU_FREE_MEMORY_FRACTION of the free
+    memory on a GPU); a call allocates at most what all its sequences could hold at once.
+    block_size: positions per block (default 16).
+    max_num_seqs: sequences running at once at most; max_step_tokens: tokens computed in one step at most (prefill
+    chunks; a decode token is never held back)."""
+
+    def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096):
+        self.model = model
+        self.kv_cache_gb = kv_cache_gb
+        self.block_size = block_size or 16
+        self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
+        self.stats = {}
+
+    # -- the pool -------------------------------------------------------------------------------------------------
+
+    def layer_groups(self, longest: int):
+        """-> (windows, group of each layer, its index in the group): one group per distinct window that is shorter
+        than the longest sequence (a longer window never excludes a key: such a layer is a full one)."""
+        windows = [w if w is not None and w < longest else None for w in self.model.args.sliding_windows]
+        group_windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full attention first
+        group_of = [group_windows.index(w) for w in windows]
+        index_in_group = [group_of[:i].count(group_of[i]) for i in range(len(windows))]
+        return group_windows, group_of, index_in_group
+
+    def pool_sizes(self, lengths, windows, group_of, dtype, device):
+        """Blocks per group: the budget split so that every group holds the same number of sequences of the
+        longest length, capped at what all the call's sequences need at once."""
+        a, bs = self.model.args, self.block_size
+        per_block_layer = 2 * bs * a.num_key_value_heads * a.head_dim * torch.empty((), dtype=dtype).element_size()
+        layers = [group_of.count(g) for g in range(len(windows))]
+        chunk_blocks = -(-min(self.max_step_tokens, max(lengths)) // bs) + 1
+
+        def need(length, window):  # blocks one sequence holds at most in a group
+            full = -(-length // bs)
+            return full if window is None else min(full, -(-(window - 1) // bs) + chunk_blocks)
+
+        one = [need(max(lengths), w) for w in windows]
+        all_at_once = [sum(need(n, w) for n in lengths) for w in windows]
+        budget = self.kv_cache_gb
+        if budget is None:
+            budget = (GPU_FREE_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda"
+                      else CPU_KV_CACHE_GB)
+        sequences = budget * 2**30 / sum(o * n * per_block_layer for o, n in zip(one, layers))
+        if sequences < 1:
+            raise ValueError(f"RolloutEngine: kv_cache_gb={budget:.3g} cannot hold one sequence of {max(lengths)} "
+                             f"tokens ({sum(o * n for o, n in zip(one, layers)) * per_block_layer / 2**30:.3g} GiB)")
+        return [min(int(sequences * o), total) for o, total in zip(one, all_at_once)], per_block_layer, layers
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
+                 eos_token_id=None, seed=0, return_logprobs=False, return_entropy=False, rows=None):
+        """Sample after each prompt (a list of token ids) up to max_new_tokens (an int, or one per prompt) new tokens.
+
+        -> one list of new token ids per prompt, ending at its first EOS (included); with return_logprobs also the
+        log softmax(logits / temperature) of each chosen token before top-k/top-p (as ppo_core.generate), and with
+        return_entropy the entropy of that distribution: (tokens, logprobs[, entropy]), lists of lists.
+        eos_token_id: an id, a list of ids, or None (never stop early). seed and rows: row i samples with
+        counter_uniforms(seed, rows[i], token index); rows defaults to 0..len(prompts)-1 (a process holding rows
+        offset.. of a global batch passes their global numbers, and samples what one process would)."""
+        model, device = self.model, next(self.model.parameters()).device
+        n = len(prompts)
+        budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * n
+        rows = list(range(n)) if rows is None else list(rows)
+        if len(budgets) != n or len(rows) != n:
+            raise ValueError(f"RolloutEngine.generate: {n} prompts, {len(budgets)} max_new_tokens, {len(rows)} rows")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("RolloutEngine.generate: an empty prompt (every prompt needs at least one token)")
+        stop_ids = set([] if eos_token_id is None else
+                       [int(i) for i in eos_token_id] if isinstance(eos_token_id, (list, tuple)) else [int(eos_token_id)])
+        if device.type == "cpu" and autocast_dtype("cpu"):
+            cache_dtype = torch.float32  # CPU autocast attends in float32 (ppo_core.model.attention)
+        else:
+            cache_dtype = autocast_dtype(device.type) or next(model.parameters()).dtype
+
+        lengths = [len(p) + m for p, m in zip(prompts, budgets)]
+        windows, group_of, index_in_group = self.layer_groups(max(lengths))
+        n_blocks, per_block_layer, layers = self.pool_sizes(lengths, windows, group_of, cache_dtype, device)
+        a, bs = model.args, self.block_size
+        pools = [(torch.zeros(L, nb, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device),
+                  torch.zeros(L, nb, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device))
+                 for L, nb in zip(layers, n_blocks)]  # per group: keys, values [L_g, blocks, block_size, nkv, hs]
+        sched = Scheduler(n_blocks, bs, windows, self.max_num_seqs, self.max_step_tokens)
+        sequences = [Sequence(i, rows[i], list(p), len(p), budgets[i]) for i, p in enumerate(prompts)]
+        for seq in sequences:
+            if budgets[seq.index] > 0:
+                sched.add(seq)
+        stats = dict(computed_tokens=0, steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0,
+                     pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
+        packed = can_pack_for_cpu(model)
+        with cpu_packed_linears(model, min(n, self.max_num_seqs)) if packed else nullcontext():
+            while not sched.done:
+                with record_function("engine.schedule"):
+                    step = sched.schedule()
+                    if not step.chunks:
+                        raise RuntimeError("RolloutEngine: a step with nothing to compute (the pool cannot hold one "
+                                           "sequence's next chunk)")
+                    batch = StepBatch(step, windows, group_of, index_in_group, bs, device)
+                hidden = model.model.forward_paged(batch.input_ids, batch.positions,
+                                                   lambda i, q, k, v: batch.attend(pools, i, q, k, v),
+                                                   batch.n_positions)  # [N, H]
+                sampling = [c for c in step.chunks if c.samples]
+                with record_function("engine.sampling"):
+                    logits = model.lm_head(hidden[batch.last_rows(sampling)]).float()  # [S, V]
+                    seqs = [c.seq for c in sampling]
+                    chosen, logprobs, entropy = sample(logits, seqs, seed, temperature, top_p, top_k, greedy,
+                                                       return_logprobs, return_entropy)
+                sched.after_step(step)
+                stats["computed_tokens"] += len(batch.input_ids)
+                stats["steps"] += 1
+                used = sum(pool.n_used * L * per_block_layer for pool, L in zip(sched.pools, layers))
+                if used > stats["peak_kv_bytes"]:
+                    stats["peak_kv_bytes"] = used
+                    stats["kv_token_bytes_at_peak"] = sum(sched.held_tokens(g) * L * per_block_layer // bs
+                                                          for g, L in enumerate(layers))
+                for i, seq in enumerate(seqs):
+                    seq.tokens.append(chosen[i])
+                    if return_logprobs:
+                        seq.logprobs.append(logprobs[i])
+                        if return_entropy:
+                            seq.entropy.append(entropy[i])
+                    if chosen[i] in stop_ids or seq.generated >= seq.max_new:
+                        sched.finish(seq)
+        stats.update(preemptions=sched.stats["preemptions"], prefix_hit_tokens=sched.stats["prefix_hit_tokens"],
+                     useful_tokens=sum(s.generated for s in sequences), block_size=bs, blocks=n_blocks)
+        self.stats = stats
+        tokens = [s.tokens[s.prompt_len :] for s in sequences]
+        if not return_logprobs:
+            return tokens
+        out = (tokens, [s.logprobs for s in sequences])
+        return out + ([s.entropy for s in sequences],) if return_entropy else out
+
+
+def sample(logits, seqs, seed, temperature, top_p, top_k, greedy, return_logprobs, return_entropy):
+    """The next token of each sequence from logits [S, V] float32, as ppo_core.generate samples it, with the noise of
+    (seed, its row, its token index). -> (tokens, logprobs or None, entropy or None), lists of S Python numbers."""
+    if greedy:
+        chosen = logits.argmax(-1)
+    else:
+        probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+        uniforms = counter_uniforms(seed, torch.tensor([s.row for s in seqs], device=logits.device),
+                                    torch.tensor([s.generated for s in seqs], device=logits.device))
+        chosen = sample_from_probs(probs, uniforms)
+    logprobs = entropy = None
+    if return_logprobs:
+        lp = torch.log_softmax(logits / (1.0 if greedy else temperature), -1)  # [S, V]
+        logprobs = lp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+        if return_entropy:
+            entropy = (-(lp.exp() * lp).sum(-1)).tolist()
+    return chosen.tolist(), logprobs, entropy
+
+
+class StepBatch:
+    """One step's flat batch, and the index tensors its attention needs, built once on the host per step."""
+
+    def __init__(self, step, windows, group_of, index_in_group, block_size, device):
+        self.chunks, self.copies = step.chunks, step.copies
+        self.windows, self.group_of, self.index_in_group = windows, group_of, index_in_group
+        bs = block_size
+        ids, positions, self.starts = [], [], []
+        for c in step.chunks:
+            self.starts.append(len(ids))
+            ids += c.seq.tokens[c.start : c.start + c.length]
+            positions += range(c.start, c.start + c.length)
+        self.n_positions = max(c.start + c.length for c in step.chunks)
+        self.input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # [N]
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
+        self.n_single = sum(1 for c in step.chunks if c.length == 1)  # the first n_single chunks: one token each
+        singles = step.chunks[: self.n_single]
+        self.slots, self.tables, self.prefills = [], [], []
+        for g, window in enumerate(windows):
+            # where each new token's key goes: block * block_size + offset, in group g's pool
+            slots = [c.seq.tables[g][p // bs] * bs + p % bs for c in step.chunks for p in range(c.start, c.start + c.length)]
+            self.slots.append(torch.tensor(slots, dtype=torch.long, device=device))  # [N]
+            width = max((len(c.seq.tables[g]) for c in singles), default=0)
+            self.tables.append(torch.tensor([c.seq.tables[g] + [-1] * (width - len(c.seq.tables[g])) for c in singles],
+                                            dtype=torch.int32, device=device).view(len(singles), width))  # [Bs, width]
+            prefills = []
+            for c, start in zip(step.chunks[self.n_single :], self.starts[self.n_single :]):
+                end = c.start + c.length
+                first = 0 if window is None else max(0, c.start + 1 - window) // bs  # the first block its queries see
+                keys = [c.seq.tables[g][p // bs] * bs + p % bs for p in range(first * bs, end)]  # [S] slots
+                q_pos = torch.arange(c.start, end, device=device)[:, None]  # [T, 1]
+                k_pos = torch.arange(first * bs, end, device=device)[None, :]  # [1, S]
+                allowed = k_pos <= q_pos
+                if window is not None:
+                    allowed = allowed & (k_pos > q_pos - window)
+                causal_from_zero = first == 0 and c.start == 0 and (window is None or window >= end)
+                prefills.append((start, c.length, torch.tensor(keys, dtype=torch.long, device=device),
+                                 None if causal_from_zero else allowed[None, None]))
+            self.prefills.append(prefills)
+        self.seq_lens = torch.tensor([c.start + 1 for c in singles], dtype=torch.int32, device=device)  # [Bs]
+        self.triton = backend(device) == "triton"
+        if not self.triton and singles:  # the gathered path: which slots each single query sees, once for all layers
+            self.single_slots, self.single_visible = [], []
+            lens = self.seq_lens.long()[:, None]  # [Bs, 1]
+            for g, window in enumerate(windows):
+                table = self.tables[g].long()  # [Bs, width]
+                first = 0 if window is None else max(0, min(c.start + 1 - window for c in singles)) // bs
+                table = table[:, first:]
+                positions = first * bs + torch.arange(table.shape[1] * bs, device=device)[None]  # [1, T]
+                visible = positions < lens
+                if window is not None:
+                    visible = visible & (positions >= lens - window)
+                # unused table entries (-1) point at block 0: finite values (the pool starts at zero), masked out
+                slots = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=device)).flatten(1)  # [Bs, T]
+                self.single_slots.append(slots)
+                self.single_visible.append(visible[:, None, None, :])  # [Bs, 1, 1, T]
+
+    def last_rows(self, chunks) -> torch.Tensor:
+        """Flat indices of the last token of each of `chunks` (whose logits give their next token)."""
+        where = {id(c): s + c.length - 1 for c, s in zip(self.chunks, self.starts)}
+        return torch.tensor([where[id(c)] for c in chunks], dtype=torch.long, device=self.input_ids.device)
+
+    def attend(self, pools, layer, q, k, v):
+        """Layer `layer`'s attention for the flat batch: store k, v [N, nkv, hs] in the pool, then attend each
+        sequence's queries q [N, nh, hs] over its cached keys. -> [N, nh, hs]."""
+        g, i = self.group_of[layer], self.index_in_group[layer]
+        k_pool, v_pool = pools[g][0][i], pools[g][1][i]  # [blocks, block_size, nkv, hs]
+        nkv, hs = k_pool.shape[2], k_pool.shape[3]
+        with record_function("engine.cache_write"):
+            k_pool.view(-1, nkv, hs).index_copy_(0, self.slots[g], k.to(k_pool.dtype))
+            v_pool.view(-1, nkv, hs).index_copy_(0, self.slots[g], v.to(v_pool.dtype))
+            for source, destination, n_slots in self.copies[g]:  # copy-on-write, after the source's own writes
+                k_pool[destination, :n_slots] = k_pool[source, :n_slots]
+                v_pool[destination, :n_slots] = v_pool[source, :n_slots]
+        with record_function("engine.attention"):
+            out = torch.empty_like(q)  # [N, nh, hs]
+            q_cache = q.to(k_pool.dtype)
+            if self.n_single and self.triton:
+                out[: self.n_single] = paged_decode_attention(q_cache[: self.n_single], k_pool, v_pool, self.tables[g],
+                                                              self.seq_lens, self.windows[g])
+            elif self.n_single:  # gather each query's keys (slots fixed for the step) and run SDPA, query heads as rows
+                B, nh = self.n_single, q.shape[1]
+                keys_k = k_pool.view(-1, nkv, hs)[self.single_slots[g]].transpose(1, 2)  # [Bs, nkv, T, hs]
+                keys_v = v_pool.view(-1, nkv, hs)[self.single_slots[g]].transpose(1, 2)
+                queries = q_cache[:B].view(B, nkv, nh // nkv, hs)  # [Bs, nkv, nh/nkv, hs]
+                y = attention(queries, keys_k, keys_v, self.single_visible[g])  # [Bs, nkv, nh/nkv, hs]
+                out[:B] = y.reshape(B, nh, hs)
+            for start, length, keys, allowed in self.prefills[g]:
+                keys_k = k_pool.view(-1, nkv, hs).index_select(0, keys).transpose(0, 1)[None]  # [1, nkv, S, hs]
+                keys_v = v_pool.view(-1, nkv, hs).index_select(0, keys).transpose(0, 1)[None]
+                queries = q_cache[start : start + length].transpose(0, 1)[None]  # [1, nh, T, hs]
+                y = attention(queries, keys_k, keys_v, allowed, is_causal=allowed is None)  # [1, nh, T, hs]
+                out[start : start + length] = y[0].transpose(0, 1)
+        return out

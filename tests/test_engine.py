@@ -1,0 +1,290 @@
+"""The rollout engine: ppo_core/kv_blocks.py (block accounting), ppo_core/scheduler.py (continuous batching,
+preemption, prefix sharing, copy-on-write) and ppo_core/engine.py (paged attention, sampling), runs everywhere.
+
+    python -m pytest -q tests/test_engine.py
+
+The scheduler is checked on hand-worked block numbers; the engine against ppo_core.generate (the padded reference)
+at the same sampling noise on every family, and against itself under every scheduling choice (block size, pool size
+forcing preemption, prefill chunks, batch limits, rows split as over processes): the tokens must not change.
+"""
+import sys
+
+import pytest
+import torch
+
+import ppo_core
+from ppo_core.engine import RolloutEngine
+from ppo_core.generate import counter_uniforms
+from ppo_core.kv_blocks import BlockPool, prefix_key
+from ppo_core.scheduler import Scheduler, Sequence
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_generate import CONFIGS, tiny  # noqa: E402
+
+
+# -- the noise ---------------------------------------------------------------------------------------------------
+
+def splitmix64_python(z):
+    M = (1 << 64) - 1
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & M
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & M
+    return z ^ (z >> 31)
+
+
+def test_counter_uniforms_are_splitmix64_in_plain_python_integers():
+    """The int64 tensor arithmetic (wrapping multiplies, masked arithmetic shifts) against Python's exact integers."""
+    M, g = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    for seed in (0, 3, 2**63 + 5, 10**30 + 7):
+        rows, index = [0, 1, 7, 2**40], [5, 0, 123456, 2]
+        expected = []
+        for row, i in zip(rows, index):
+            z = splitmix64_python((seed + g) & M)
+            z = splitmix64_python((z + row + g) & M)
+            z = splitmix64_python((z + i + g) & M)
+            expected.append((z >> 11) * 2.0**-53)
+        assert counter_uniforms(seed, torch.tensor(rows), torch.tensor(index)).tolist() == expected
+
+
+# -- block accounting --------------------------------------------------------------------------------------------
+
+def test_block_pool_reference_counts_and_least_recently_freed_reuse():
+    pool = BlockPool(4, block_size=2)
+    a, b, c = pool.take(), pool.take(), pool.take()
+    assert (a, b, c) == (0, 1, 2) and pool.n_free == 1
+    key = prefix_key(None, (5, 6))
+    pool.register(key, (5, 6), a, step=0)
+    pool.hold(a)  # a second sequence shares it
+    pool.release(a)
+    assert pool.refs[a] == 1 and pool.n_free == 1
+    pool.release(b), pool.release(a)  # freed in this order: b, then a
+    assert pool.lookup(key, (5, 6), step=0) == a  # freed, still keyed: found
+    assert pool.lookup(key, (5, 7), step=0) is None  # same key, other tokens: a collision never shares
+    pool.hold(a)  # a later sequence takes it back from the free list
+    assert pool.refs[a] == 1 and pool.n_free == 2
+    pool.release(a)
+    assert [pool.take(), pool.take(), pool.take()] == [3, 1, 0]  # never used first, then least recently freed
+    assert pool.lookup(key, (5, 6), step=0) is None  # block a was taken for new content: its key is gone
+
+
+def test_a_block_keyed_in_this_step_is_found_only_from_this_step_on():
+    pool = BlockPool(2, block_size=2)
+    block = pool.take()
+    pool.register(prefix_key(None, (1,)), (1,), block, step=4)
+    assert pool.lookup(prefix_key(None, (1,)), (1,), step=3) is None
+    assert pool.lookup(prefix_key(None, (1,)), (1,), step=4) == block
+
+
+def run_steps(sched, next_token=lambda seq: 1):
+    """Drive a Scheduler as the engine does (no model): after each step, append `next_token` to every sampling
+    sequence and finish those at their budget. -> the steps."""
+    steps = []
+    while not sched.done:
+        step = sched.schedule()
+        steps.append(step)
+        sched.after_step(step)
+        for c in step.chunks:
+            if c.samples:
+                c.seq.tokens.append(next_token(c.seq))
+                if c.seq.generated >= c.seq.max_new:
+                    sched.finish(c.seq)
+    return steps
+
+
+def test_scheduler_shares_a_prompt_and_copies_its_partly_matched_last_block():
+    """Two samples of a 10-token prompt, blocks of 4: the first computes the prompt (blocks 0, 1, 2, the last holding
+    positions 8, 9); the second, admitted in the same step, shares blocks 0 and 1, gets its own copy of block 2's
+    first slot (position 8) and computes only its last prompt token (position 9)."""
+    sched = Scheduler([16], block_size=4, windows=[None], max_num_seqs=8, max_step_tokens=64)
+    prompt = list(range(10, 20))
+    first, second = Sequence(0, 0, list(prompt), 10, 3), Sequence(1, 1, list(prompt), 10, 3)
+    sched.add(first), sched.add(second)
+    step = sched.schedule()
+    assert [(c.seq.index, c.start, c.length, c.samples) for c in step.chunks] == [(1, 9, 1, True), (0, 0, 10, True)]
+    assert first.tables == [[0, 1, 2]] and second.tables == [[0, 1, 3]]
+    assert step.copies == [[(2, 3, 1)]]
+    assert sched.pools[0].refs[:4] == [2, 2, 2, 1]  # block 2: its owner and the pending copy
+    assert sched.stats["prefix_hit_tokens"] == 9
+    sched.after_step(step)
+    assert sched.pools[0].refs[:4] == [2, 2, 1, 1]  # the copy is done: the source is its owner's alone
+    first.tokens.append(7), second.tokens.append(8)
+    step = sched.schedule()  # both decode position 10 into their own block (2 and 3): nothing shared is written
+    assert [(c.seq.index, c.start, c.length) for c in step.chunks] == [(0, 10, 1), (1, 10, 1)] and step.copies == [[]]
+
+
+def test_scheduler_shares_full_blocks_with_a_later_prompt_and_recomputes_only_the_rest():
+    sched = Scheduler([16], block_size=4, windows=[None], max_num_seqs=8, max_step_tokens=64)
+    first = Sequence(0, 0, list(range(10, 22)), 12, 2)  # 12 tokens: blocks 0..2, all full
+    sched.add(first)
+    run_steps(sched)
+    later = Sequence(1, 1, list(range(10, 18)) + [99, 98], 10, 2)  # shares the first 8 tokens (blocks 0, 1)
+    sched.add(later)
+    step = sched.schedule()
+    assert [(c.start, c.length) for c in step.chunks] == [(8, 2)] and step.copies == [[]]
+    assert later.tables[0][:2] == [0, 1]  # the first one's blocks 0 and 1, taken back from the free list, still keyed
+
+
+def test_scheduler_preempts_the_newest_and_recomputes_it_from_its_tokens():
+    """6 blocks of 2 for three sequences of 2-token prompts that grow to 6 tokens (3 blocks each): the pool holds two
+    at the end, so the newest is preempted, put first in the queue, and admitted again later with all its tokens."""
+    sched = Scheduler([6], block_size=2, windows=[None], max_num_seqs=8, max_step_tokens=64)
+    seqs = [Sequence(i, i, [10 + i, 20 + i], 2, 4) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    steps = run_steps(sched, next_token=lambda seq: 100 + seq.generated)
+    assert sched.stats["preemptions"] >= 1
+    assert all(s.tokens == s.tokens[:2] + [100, 101, 102, 103] for s in seqs)
+    recomputed = [c for st in steps for c in st.chunks if c.start == 0 and c.length > 2]
+    assert recomputed and all(c.seq is seqs[2] for c in recomputed)  # only the newest was ever preempted
+    assert sched.pools[0].n_free == 6 and all(r == 0 for r in sched.pools[0].refs)
+
+
+def test_scheduler_prefills_in_chunks_of_the_step_budget_and_never_holds_back_a_decode_token():
+    sched = Scheduler([32], block_size=4, windows=[None], max_num_seqs=8, max_step_tokens=5)
+    a, b = Sequence(0, 0, list(range(3)), 3, 3), Sequence(1, 1, list(range(50, 62)), 12, 1)
+    sched.add(a), sched.add(b)
+    steps = run_steps(sched)
+    chunks = [[(c.seq.index, c.start, c.length) for c in st.chunks] for st in steps]
+    # a samples its 3 tokens in steps 0-2 (decoding one token a step first); b's 12 tokens fill what is left of 5
+    assert chunks == [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 4)], [(0, 4, 1), (1, 6, 4)], [(1, 10, 2)]]
+
+
+def test_sliding_window_group_frees_the_blocks_no_query_sees():
+    """Window 5, blocks of 2: after position p is computed, the next query (p + 1) sees positions >= p - 3, so
+    blocks lying wholly before that are released (-1), while the full-attention group keeps every block."""
+    sched = Scheduler([16, 16], block_size=2, windows=[None, 5], max_num_seqs=4, max_step_tokens=64)
+    seq = Sequence(0, 0, list(range(9)), 9, 3)
+    sched.add(seq)
+    step = sched.schedule()
+    sched.after_step(step)
+    full, sliding = seq.tables
+    assert len(full) == 5 and all(b >= 0 for b in full)
+    # 9 computed: the next query at 9 sees 5..9, first block seen = 5 // 2 = 2
+    assert sliding[:2] == [-1, -1] and all(b >= 0 for b in sliding[2:])
+    assert sched.pools[1].n_used == 3 and sched.pools[0].n_used == 5
+
+
+# -- the engine against ppo_core.generate ------------------------------------------------------------------------
+
+def padded(prompts):
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def reference(model, prompts, new, eos=None, **kw):
+    """ppo_core.generate on the left-padded batch with the engine's noise, cut after each row's first EOS."""
+    ids, mask = padded(prompts)
+    out = ppo_core.generate(model, ids, new, attention_mask=mask, noise_seed=kw.pop("seed"), eos_token_id=eos,
+                            pad_token_id=-1, **kw)
+    if isinstance(out, tuple):
+        return [[t for t in row if t != -1] for row in out[0].tolist()], out[1]
+    return [[t for t in row if t != -1] for row in out.tolist()]
+
+
+def grouped_prompts(seed=1):
+    """4 prompts of odd lengths, each sampled 3 times, one of them cut to share only a prefix."""
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randint(3, 131, (n,), generator=g).tolist() for n in (6, 9, 13, 1)]
+    prompts = [p for p in base for _ in range(3)]
+    prompts[4] = prompts[4][:5] + [7, 7]
+    return prompts
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_engine_samples_the_tokens_of_generate_at_the_same_noise(name, greedy):
+    """Every family (OLMo 3's sliding window of 5 in a pool of its own), with shared prompts: the same tokens as the
+    padded reference, and the same log-probs to float32 rounding."""
+    model = tiny(name)
+    prompts = grouped_prompts()
+    expected, expected_lp = reference(model, prompts, 12, greedy=greedy, seed=3, return_logprobs=True)
+    engine = RolloutEngine(model, block_size=4)
+    tokens, logprobs = engine.generate(prompts, 12, greedy=greedy, seed=3, return_logprobs=True)
+    assert tokens == expected
+    torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2e-5)
+    assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats["useful_tokens"] == 12 * len(prompts)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_the_tokens_do_not_depend_on_how_the_engine_schedules_them(name):
+    """Block sizes, a pool so small that sequences are preempted and recomputed, prefill chunks of 5 tokens, at most 3
+    sequences at once, and the rows split in two calls as over two processes: the same bytes every time."""
+    model = tiny(name)
+    prompts = grouped_prompts(seed=2)
+    expected = RolloutEngine(model).generate(prompts, 15, seed=11)
+    assert RolloutEngine(model).generate(prompts, 15, seed=11) == expected  # same seed, same bytes
+    assert RolloutEngine(model).generate(prompts, 15, seed=12) != expected
+    for kw in [dict(block_size=2), dict(block_size=8, max_step_tokens=5), dict(max_num_seqs=3)]:
+        assert RolloutEngine(model, **kw).generate(prompts, 15, seed=11) == expected, kw
+    small = RolloutEngine(model, block_size=2, kv_cache_gb=32 * pool_bytes_per_position(model) / 2**30)
+    assert small.generate(prompts, 15, seed=11) == expected
+    assert small.stats["preemptions"] > 0
+    half = len(prompts) // 2
+    first = RolloutEngine(model).generate(prompts[:half], 15, seed=11, rows=range(half))
+    second = RolloutEngine(model).generate(prompts[half:], 15, seed=11, rows=range(half, len(prompts)))
+    assert first + second == expected
+
+
+def pool_bytes_per_position(model):
+    a = model.args
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4
+
+
+def test_engine_stops_each_sequence_at_its_first_eos_or_its_own_budget():
+    model = tiny("llama_bias")
+    prompts = grouped_prompts()
+    free_run = RolloutEngine(model).generate(prompts, 10, seed=5)
+    eos = [free_run[0][2], free_run[5][6]]
+    expected = reference(model, prompts, 10, eos=eos, seed=5)
+    assert RolloutEngine(model).generate(prompts, 10, seed=5, eos_token_id=eos) == expected
+    assert any(len(t) < 10 for t in expected) and all(t[-1] in eos for t in expected if len(t) < 10)
+    budgets = [1, 4, 0, 7] * 3
+    cut = RolloutEngine(model).generate(prompts, budgets, seed=5)
+    assert cut == [row[:n] for row, n in zip(free_run, budgets)]
+
+
+def test_engine_holds_kv_for_the_tokens_it_keeps_and_little_more():
+    """Heavy-tailed lengths: at the peak the blocks in use hold at most 1.25x the bytes of the tokens held there,
+    plus one block per sequence (its partly filled last block), and far less than a padded cache would."""
+    model = tiny("qwen3")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 131, (5,), generator=g).tolist() for _ in range(16)]
+    lengths = torch.distributions.LogNormal(torch.tensor(2.5), torch.tensor(1.0)).sample((16,)).clamp(2, 80).long().tolist()
+    engine = RolloutEngine(model, block_size=4)
+    engine.generate(prompts, lengths, seed=0)
+    s = engine.stats
+    block_bytes = 4 * pool_bytes_per_position(model)
+    assert s["peak_kv_bytes"] <= 1.25 * s["kv_token_bytes_at_peak"] + 16 * block_bytes
+    padded_bytes = 16 * (5 + max(lengths)) * pool_bytes_per_position(model)
+    assert s["peak_kv_bytes"] < 0.6 * padded_bytes
+    assert s["computed_tokens"] == 16 * 5 + sum(lengths) - 16  # no row-step is spent on a finished sequence
+
+
+def test_engine_decodes_a_lora_policy_with_its_adapters_and_without():
+    from ppo_core import lora
+
+    model = tiny("qwen3")
+    lora.add_lora(model, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    prompts = grouped_prompts()
+    assert RolloutEngine(model).generate(prompts, 8, greedy=True) == reference(model, prompts, 8, greedy=True, seed=0)
+    with lora.adapters_disabled(model):
+        base = reference(model, prompts, 8, greedy=True, seed=0)
+        assert RolloutEngine(model).generate(prompts, 8, greedy=True) == base
+    assert base != reference(model, prompts, 8, greedy=True, seed=0)
+
+
+def test_engine_refuses_what_it_cannot_do_with_one_line():
+    model = tiny("qwen3")
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        RolloutEngine(model, kv_cache_gb=1e-9).generate([[1, 2]], 4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        RolloutEngine(model).generate([[]], 4)
+    with pytest.raises(ValueError, match="2 prompts, 1 max_new_tokens"):
+        RolloutEngine(model).generate([[1], [2]], [3])
