@@ -258,8 +258,17 @@ class PPOConfig:
     fused_kernels: bool = True
     """Use ppo_kernels' fused paths: LM head + log-probs for the old/reference log-probs, LM head + clipped loss
     for the update. False = the plain torch reference (full logits, log_softmax + gather, ppo_core.algo)."""
+    rollout_engine: str = "paged"
+    """How rollouts, evaluation, reference-policy samples and judges decode. 'paged': ppo_core.engine (a paged KV
+    cache sized by rollout_kv_cache_gb, continuous batching, prompts shared by a group prefilled once; a row's
+    sampling noise a function of (seed, iteration, row, token index) only). 'padded': ppo_core.generate, one
+    left-padded batch decoded until its longest row ends (the reference the engine is tested against)."""
+    rollout_kv_cache_gb: float = 0.0
+    """The paged engine's KV-cache budget in GiB; 0 = the default: 4 on the CPU, 80% of the GPU memory free when a
+    rollout starts. A call allocates only what its sequences can hold at once and frees it when it returns."""
     cuda_graph: bool = True
-    """Capture the rollout decode step as a CUDA graph on CUDA devices (one launch per token); ignored on the CPU."""
+    """With rollout_engine='padded': capture the decode step as a CUDA graph on CUDA devices (one launch per token);
+    ignored on the CPU and by the paged engine."""
     parallel: str = "ddp"
     """With more than one process (torchrun): 'ddp' replicates policy and critic (DistributedDataParallel);
     'fsdp' shards them with FSDP2 (fully_shard per decoder block, sharded checkpoints for resume)."""
@@ -426,6 +435,8 @@ def validate(cfg: PPOConfig):
     need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
     need(cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
     need(cfg.parallel in ("ddp", "fsdp"), "parallel", "must be ddp or fsdp")
+    need(cfg.rollout_engine in ("paged", "padded"), "rollout_engine", "must be paged or padded")
+    need(cfg.rollout_kv_cache_gb >= 0, "rollout_kv_cache_gb", "must be >= 0 (0 = the default budget)")
     need(cfg.lora_rank >= 0, "lora_rank", "must be >= 0")
     need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")
     need(cfg.lora_rank > 0 or cfg.lora_alpha == 0, "lora_alpha", "needs lora_rank > 0")

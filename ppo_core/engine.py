@@ -129,9 +129,11 @@ class RolloutEngine:
         windows, group_of, index_in_group = self.layer_groups(max(lengths))
         n_blocks, per_block_layer, layers = self.pool_sizes(lengths, windows, group_of, cache_dtype, device)
         a, bs = model.args, self.block_size
-        pools = [(torch.zeros(L, nb, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device),
-                  torch.zeros(L, nb, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device))
-                 for L, nb in zip(layers, n_blocks)]  # per group: keys, values [L_g, blocks, block_size, nkv, hs]
+        # per group: keys, values [L_g, blocks + 1, block_size, nkv, hs]; the last block is never handed out: the
+        # padding rows of a step (StepBatch) write there
+        pools = [(torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device),
+                  torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device))
+                 for L, nb in zip(layers, n_blocks)]
         sched = Scheduler(n_blocks, bs, windows, self.max_num_seqs, self.max_step_tokens)
         sequences = [Sequence(i, rows[i], list(p), len(p), budgets[i]) for i, p in enumerate(prompts)]
         for seq in sequences:
@@ -147,18 +149,20 @@ class RolloutEngine:
                     if not step.chunks:
                         raise RuntimeError("RolloutEngine: a step with nothing to compute (the pool cannot hold one "
                                            "sequence's next chunk)")
-                    batch = StepBatch(step, windows, group_of, index_in_group, bs, device)
-                hidden = model.model.forward_paged(batch.input_ids, batch.positions,
-                                                   lambda i, q, k, v: batch.attend(pools, i, q, k, v),
-                                                   batch.n_positions)  # [N, H]
+                    batch = StepBatch(step, windows, group_of, index_in_group, bs, n_blocks, device, cache_dtype)
+                attend = lambda i, q, k, v: batch.attend(pools, i, q, k, v)  # noqa: E731
+                hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
+                               return_hidden=True)  # [N + pad, H]
                 sampling = [c for c in step.chunks if c.samples]
+                rows = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
+                rows = torch.cat([rows, rows.new_zeros(row_bucket(len(rows), device) - len(rows))])
+                logits = model.lm_head(hidden[rows])[: len(sampling)].float()  # [S, V]
                 with record_function("engine.sampling"):
-                    logits = model.lm_head(hidden[batch.last_rows(sampling)]).float()  # [S, V]
                     seqs = [c.seq for c in sampling]
                     chosen, logprobs, entropy = sample(logits, seqs, seed, temperature, top_p, top_k, greedy,
                                                        return_logprobs, return_entropy)
                 sched.after_step(step)
-                stats["computed_tokens"] += len(batch.input_ids)
+                stats["computed_tokens"] += batch.n_tokens
                 stats["steps"] += 1
                 used = sum(pool.n_used * L * per_block_layer for pool, L in zip(sched.pools, layers))
                 if used > stats["peak_kv_bytes"]:
@@ -202,10 +206,22 @@ def sample(logits, seqs, seed, temperature, top_p, top_k, greedy, return_logprob
     return chosen.tolist(), logprobs, entropy
 
 
-class StepBatch:
-    """One step's flat batch, and the index tensors its attention needs, built once on the host per step."""
+def row_bucket(n: int, device) -> int:
+    """The row count a step's matmuls run with for n rows: on the CPU, n rounded up (to a multiple of 8 up to 128,
+    of 32 up to 1024, of 128 beyond), because oneDNN keeps a primitive (about 0.6 MB) for every row count it
+    has seen, which a continuous batch (any count from 1 to the step's budget) would otherwise grow by hundreds of
+    MB; padding costs at most 1/8 more rows. n itself elsewhere."""
+    if device.type != "cpu":
+        return n
+    unit = 8 if n <= 128 else 32 if n <= 1024 else 128
+    return -(-n // unit) * unit
 
-    def __init__(self, step, windows, group_of, index_in_group, block_size, device):
+
+class StepBatch:
+    """One step's flat batch, and the index tensors and masks its attention needs (dtype: the cache's), built once
+    per step on the host, for all layers."""
+
+    def __init__(self, step, windows, group_of, index_in_group, block_size, n_blocks, device, dtype):
         self.chunks, self.copies = step.chunks, step.copies
         self.windows, self.group_of, self.index_in_group = windows, group_of, index_in_group
         bs = block_size
@@ -215,15 +231,18 @@ class StepBatch:
             ids += c.seq.tokens[c.start : c.start + c.length]
             positions += range(c.start, c.start + c.length)
         self.n_positions = max(c.start + c.length for c in step.chunks)
-        self.input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # [N]
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
+        self.n_tokens = len(ids)  # N; then padding rows up to row_bucket(N), at position 0, written to the spare block
+        n_pad = row_bucket(len(ids), device) - len(ids)
+        self.input_ids = torch.tensor(ids + [0] * n_pad, dtype=torch.long, device=device)  # [N + pad]
+        self.positions = torch.tensor(positions + [0] * n_pad, dtype=torch.long, device=device)  # [N + pad]
         self.n_single = sum(1 for c in step.chunks if c.length == 1)  # the first n_single chunks: one token each
         singles = step.chunks[: self.n_single]
         self.slots, self.tables, self.prefills = [], [], []
         for g, window in enumerate(windows):
             # where each new token's key goes: block * block_size + offset, in group g's pool
             slots = [c.seq.tables[g][p // bs] * bs + p % bs for c in step.chunks for p in range(c.start, c.start + c.length)]
-            self.slots.append(torch.tensor(slots, dtype=torch.long, device=device))  # [N]
+            slots += [n_blocks[g] * bs] * n_pad  # the spare block
+            self.slots.append(torch.tensor(slots, dtype=torch.long, device=device))  # [N + pad]
             width = max((len(c.seq.tables[g]) for c in singles), default=0)
             self.tables.append(torch.tensor([c.seq.tables[g] + [-1] * (width - len(c.seq.tables[g])) for c in singles],
                                             dtype=torch.int32, device=device).view(len(singles), width))  # [Bs, width]
@@ -255,9 +274,11 @@ class StepBatch:
                 if window is not None:
                     visible = visible & (positions >= lens - window)
                 # unused table entries (-1) point at block 0: finite values (the pool starts at zero), masked out
-                slots = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=device)).flatten(1)  # [Bs, T]
+                slots = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=device)).flatten()  # [Bs T]
                 self.single_slots.append(slots)
-                self.single_visible.append(visible[:, None, None, :])  # [Bs, 1, 1, T]
+                # an additive float mask, made once: SDPA converts a bool one at every call (every layer)
+                bias = torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill_(~visible, float("-inf"))
+                self.single_visible.append(bias[:, None, None, :])  # [Bs, 1, 1, T]
 
     def last_rows(self, chunks) -> torch.Tensor:
         """Flat indices of the last token of each of `chunks` (whose logits give their next token)."""
@@ -277,15 +298,17 @@ class StepBatch:
                 k_pool[destination, :n_slots] = k_pool[source, :n_slots]
                 v_pool[destination, :n_slots] = v_pool[source, :n_slots]
         with record_function("engine.attention"):
-            out = torch.empty_like(q)  # [N, nh, hs]
+            out = torch.empty_like(q)  # [N + pad, nh, hs]
+            out[self.n_tokens :] = 0  # the padding rows' (never read)
             q_cache = q.to(k_pool.dtype)
             if self.n_single and self.triton:
                 out[: self.n_single] = paged_decode_attention(q_cache[: self.n_single], k_pool, v_pool, self.tables[g],
                                                               self.seq_lens, self.windows[g])
             elif self.n_single:  # gather each query's keys (slots fixed for the step) and run SDPA, query heads as rows
                 B, nh = self.n_single, q.shape[1]
-                keys_k = k_pool.view(-1, nkv, hs)[self.single_slots[g]].transpose(1, 2)  # [Bs, nkv, T, hs]
-                keys_v = v_pool.view(-1, nkv, hs)[self.single_slots[g]].transpose(1, 2)
+                slots = self.single_slots[g]  # index_select: several times faster than indexing with a 2-d tensor
+                keys_k = k_pool.view(-1, nkv, hs).index_select(0, slots).view(B, -1, nkv, hs).transpose(1, 2)
+                keys_v = v_pool.view(-1, nkv, hs).index_select(0, slots).view(B, -1, nkv, hs).transpose(1, 2)
                 queries = q_cache[:B].view(B, nkv, nh // nkv, hs)  # [Bs, nkv, nh/nkv, hs]
                 y = attention(queries, keys_k, keys_v, self.single_visible[g])  # [Bs, nkv, nh/nkv, hs]
                 out[:B] = y.reshape(B, nh, hs)

@@ -238,7 +238,9 @@ class JudgeReward:
     None = the parsed number itself); reference_column: the prompt column holding the reference response
     (pairwise); chat_template: None = use the judge's chat template when it has one, True = require it, False =
     the raw prompt; enable_thinking: passed to that chat template; greedy, temperature, seed: decoding (a sampled
-    judge draws from its own seeded generator); batch_size: judge prompts per `generate` call.
+    judge draws from its own seeded noise); batch_size: judge prompts decoded at once; engine: "paged" (the rollout
+    engine, ppo_core.engine: every prompt of a call in one continuous batch, a shared template prefix prefilled
+    once) or "padded" (ppo_core.generate on length-sorted batches, the reference).
 
     Metrics, each [B] float32 unless noted: "judge/unparsed" 1.0 for a sample with a judgement without a verdict
     (pairwise: in either order); "judge/truncated" 1.0 where a judgement hit max_new_tokens; pairwise also
@@ -249,7 +251,8 @@ class JudgeReward:
 
     def __init__(self, path, mode, template=None, max_new_tokens=1024, unparsed_score=0.0, reference_column="reference",
                  chat_template=None, enable_thinking=False, greedy=True, temperature=1.0, batch_size=32,
-                 device="cpu", dtype=None, seed=0, score_range=None, tie_score=0.5):
+                 device="cpu", dtype=None, seed=0, score_range=None, tie_score=0.5, engine="paged"):
+        from .engine import RolloutEngine
         from .generate import generate
         from .model import CheckpointError, load_model
         from .tokenizer import load_tokenizer
@@ -292,6 +295,10 @@ class JudgeReward:
         self.use_chat_template = has_chat_template if chat_template is None else bool(chat_template)
         self.enable_thinking, self.greedy, self.temperature = enable_thinking, greedy, temperature
         self.device = torch.device(device)
+        if engine not in ("paged", "padded"):
+            raise JudgeError(f"judge engine {engine!r}: expected 'paged' or 'padded'")
+        self.engine = RolloutEngine(self.model, max_num_seqs=self.batch_size) if engine == "paged" else None
+        self.seed, self.n_calls = seed, 0  # the paged engine's noise: (seed, call) for each call
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self._generate = generate
 
@@ -331,12 +338,20 @@ class JudgeReward:
     def complete(self, judge_prompts: list[str]) -> tuple[list[str], list[bool]]:
         """Judge prompts (rendered text) -> (the judge's outputs, whether each hit max_new_tokens before an EOS).
 
-        Batches of batch_size, rows sorted by length first (less padding; left padding leaves each row's tokens
-        exactly as alone), each output decoded up to its first EOS id."""
+        The paged engine decodes them all in one call (batch_size at once); the padded path in batches of
+        batch_size, rows sorted by length first (less padding; left padding leaves each row's tokens exactly as
+        alone). Each output is decoded up to its first EOS id."""
         tok = self.tokenizer
         eos_ids = list(tok.eos_token_ids)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
         encoded = [self.encode(p) for p in judge_prompts]
+        if self.engine is not None:
+            self.n_calls += 1
+            new = self.engine.generate(encoded, self.max_new_tokens, greedy=self.greedy, temperature=self.temperature,
+                                       eos_token_id=eos_ids, seed=self.seed * 1_000_003 + self.n_calls)
+            ended = [bool(row) and row[-1] in eos_ids for row in new]
+            outputs = [tok.decode(row[:-1] if end else row, skip_special_tokens=True) for row, end in zip(new, ended)]
+            return outputs, [not end for end in ended]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         outputs, truncated = [""] * len(encoded), [False] * len(encoded)
         for start in range(0, len(order), self.batch_size):

@@ -957,12 +957,17 @@ class CausalLM(nn.Module, PretrainedMixin):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, attention_mask=None, cache=None, return_hidden=False, head_fn=None):
+    def forward(self, input_ids, attention_mask=None, cache=None, return_hidden=False, head_fn=None, paged=None):
         """input_ids [B, T] -> logits [B, T, V] (or the final hidden states [B, T, H]).
 
         head_fn(hidden [B, T, H], lm_head_weight [V, H]) -> anything: replaces the LM head, e.g. with a fused
         log-prob or loss kernel that never forms the logits. It runs inside forward, where FSDP has the
-        head's weight gathered (outside, a sharded model holds only its shard)."""
+        head's weight gathered (outside, a sharded model holds only its shard).
+        paged: (positions, attend, n_positions): the rollout engine's flat batch, input_ids [N] -> [N, H] or [N, V]
+        (Backbone.forward_paged); through this forward, so that FSDP's hooks see the root module first."""
+        if paged is not None:
+            hidden = self.model.forward_paged(input_ids, *paged)
+            return hidden if return_hidden else self.lm_head(hidden)
         hidden = self.model(input_ids, attention_mask, cache)
         if head_fn is not None:
             return head_fn(hidden, self.lm_head.weight)

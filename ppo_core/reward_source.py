@@ -26,7 +26,7 @@ def make_reward_source(cfg, device="cpu", dtype=None):
                            reference_column=cfg.judge_reference_column, enable_thinking=cfg.judge_enable_thinking,
                            greedy=cfg.judge_temperature == 0, temperature=cfg.judge_temperature or 1.0,
                            batch_size=cfg.judge_batch_size, device=device, dtype=dtype, seed=cfg.seed,
-                           score_range=cfg.judge_score_range or None)
+                           score_range=cfg.judge_score_range or None, engine=cfg.rollout_engine)
     if cfg.reward_model:
         return RewardModelReward(cfg.reward_model, cfg, device, dtype)
     if isinstance(cfg.reward_fn, str):

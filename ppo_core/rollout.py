@@ -10,7 +10,7 @@ them (old and reference log-probs, entropy, values). The loop (ppo_core.train) t
              the update (ppo_core.update) runs the same heads, so the first minibatch's ratio is 1 up to the order of
              a log-sum-exp. rollout_forward runs them over a Sampled batch in micro-batches -> Rollout
   prompts:   render_prompt, prompt_token_ids, encode_prompts: the token ids the policy sees, left-padded
-  sampling:  sample_responses (KV-cache decoding, ppo_core.generate), then sample_and_score (the reward source
+  sampling:  sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate), then sample_and_score (the reward source
              scores them) -> Sampled; with_reference_responses for a pairwise judge
   iteration: iteration_rollout: rollout_batch_size prompts x n_samples_per_prompt, this process's rows of the
              global batch; with filter_groups, DAPO's group filter over batches gathered from every process
@@ -30,6 +30,7 @@ import ppo_kernels
 from . import algo, lora
 from . import distributed as dist
 from .config import rollout_rows
+from .engine import RolloutEngine
 from .generate import generate
 from .prompts import columns_of, prompt_text
 
@@ -157,14 +158,19 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     cache on a GPU, oneDNN-packed bf16 copies on the CPU) and keeps its KV cache in the dtype attention computes in
     (bf16 on a GPU, fp32 on the CPU: ppo_core.generate)."""
     device = next(policy.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded or prompts, device, pad_to, cfg)
+    encoded = encoded or [p if isinstance(p, list) else prompt_token_ids(tokenizer, p, cfg) for p in prompts]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded, device, pad_to, cfg)
     eos = tokenizer.eos_token_ids  # every stop token: the tokenizer's EOS and generation_config.json's
     with dist.gathered(policy), autocast():  # FSDP: full weights for the whole call, no collective per step
-        out = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
-                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
-                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
-                       global_rows=rows, cuda_graph=cfg.cuda_graph and device.type == "cuda",
-                       return_logprobs=decode_logprobs, return_entropy=decode_logprobs)
+        if cfg.rollout_engine == "paged":
+            out = engine_responses(policy, encoded, cfg, generator, greedy, eos, tokenizer.pad_token_id, rows,
+                                   decode_logprobs)
+        else:
+            out = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
+                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy,
+                           eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, generator=generator,
+                           global_rows=rows, cuda_graph=cfg.cuda_graph and device.type == "cuda",
+                           return_logprobs=decode_logprobs, return_entropy=decode_logprobs)
     tokens = out[0] if decode_logprobs else out
     # The response is every token up to and including the first EOS.
     is_eos = torch.isin(tokens, torch.tensor(eos, device=tokens.device))
@@ -175,6 +181,31 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     if decode_logprobs:
         return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos, (out[1], out[2])
     return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos
+
+
+def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id, rows, decode_logprobs):
+    """sample_responses' decoding on the rollout engine (cfg.rollout_engine='paged'), returned as ppo_core.generate
+    returns it: tokens [B, max_new_tokens] (pad after a response), with decode_logprobs also (log-probs, entropy)
+    [B, max_new_tokens] float32 (0 after it). The noise seed is the generator's seed (None: torch's default
+    generator's): every caller seeds its generator for the call (the iteration and batch, an evaluation's seed), and
+    the engine's noise is a function of (seed, global row, token index) alone. rows = (offset, global batch) numbers these rows in the global batch."""
+    device = next(policy.parameters()).device
+    engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None)
+    first = rows[0] if rows is not None else 0
+    out = engine.generate(encoded, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          greedy=greedy, eos_token_id=eos,
+                          seed=generator.initial_seed() if generator is not None else torch.initial_seed(),
+                          rows=range(first, first + len(encoded)), return_logprobs=decode_logprobs,
+                          return_entropy=decode_logprobs)
+    responses = out[0] if decode_logprobs else out
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    R = cfg.max_new_tokens
+    tokens = torch.tensor([r + [pad] * (R - len(r)) for r in responses], dtype=torch.long, device=device)  # [B, R]
+    if not decode_logprobs:
+        return tokens
+    logprobs, entropy = ([row + [0.0] * (R - len(row)) for row in values] for values in out[1:])
+    return (tokens, torch.tensor(logprobs, dtype=torch.float32, device=device),
+            torch.tensor(entropy, dtype=torch.float32, device=device))
 
 
 @dataclass

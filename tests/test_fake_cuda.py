@@ -3,7 +3,8 @@
 torch's FakeTensorMode runs every op on metadata only (shape, dtype, device) and raises when an op mixes
 devices, so a rollout (generate, old/reference log-probs, values, scores), the advantages and a policy + critic
 update with the real optimizers run here with every model and batch tensor on "cuda" and no GPU. Decoding runs
-the static-cache step (model.decode_step), the step a CUDA graph captures (the capture itself needs a GPU). On top
+the rollout engine (ppo_core.engine: its paged pool, step batches and sampling on the device; attention on the
+kernels' torch path, as every ppo_kernels call here). On top
 of it, `DeviceAudit` (a dispatch mode):
   - runs work on real CPU tensors for real (shuffling, row selection), as a GPU run would;
   - rejects `cat`/`stack` of tensors on different devices, which real CUDA rejects but fake tensors let through
@@ -198,7 +199,9 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
     os.environ["PPO_KERNELS_BACKEND"] = "torch"
     cfg = build_config({}, {"rollout_batch_size": "4", "minibatch_size": "2", "micro_batch_size": "1",
                             "max_new_tokens": "6", "ppo_epochs": "1", "fused_kernels": str(fused).lower(),
-                            "kl_in_reward": str(kl_in_reward).lower(), "cuda_graph": "false"})
+                            "kl_in_reward": str(kl_in_reward).lower(), "cuda_graph": "false",
+                            # the engine's default budget reads the GPU's free memory, which fake CUDA has not got
+                            "rollout_kv_cache_gb": "1"})
     tokenizer = load_tokenizer(train.DEMO_CHECKPOINT)
     policy = load_model(train.DEMO_CHECKPOINT)
     critic = load_score_model(train.DEMO_CHECKPOINT)

@@ -39,8 +39,9 @@ def die_on_nth(fn, after=False):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
     return wrapped
-if where == "rollout":    # inside sampling: generate is called twice for the 'before' eval, then once an iteration
-    rollout.generate = die_on_nth(rollout.generate)
+if where == "rollout":    # inside sampling: the decoder is called twice for the 'before' eval, then once an iteration
+    rollout.RolloutEngine.generate = die_on_nth(rollout.RolloutEngine.generate)  # rollout_engine='paged'
+    rollout.generate = die_on_nth(rollout.generate)  # rollout_engine='padded'
 elif where == "update":   # inside the PPO update, between two micro-batch backward passes
     train.algo.value_loss = die_on_nth(train.algo.value_loss)
 elif where == "save":     # inside a checkpoint save: after the n-th safetensors file is written, before the rename (2 calls a save)
