@@ -65,13 +65,22 @@ saves in this hand-written model (ppo_core/model.py), per block:
   The policy and the critic run their forward + backward one after the other, so the training phase needs the
   larger of the two, not the sum (the policy's alone without a critic).
 
-Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)):
-  KV cache = 2 (k and v) x B x nkv x hs x 2 bytes (bf16) x sum over layers of their slots: P + R for full
-             attention, min(window, P + R) for a sliding-window layer (a ring): exactly ppo_core.model.KVCache's
-             tensors (+ its [B, P+R] mask, [B] counters and write slot).
-  generation working set, the larger of: prefill a B P (3 I + 2 H) + f B P H + (a + 1) B P^2 + 2 a B P Dq (the
-             biggest block temporaries, the left-padding mask as bool and float bias, K and V repeated to nh heads)
-             and decoding 40 B V (about ten fp32 [B, V] sampling buffers; a decoding step's attention copies
+Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)), with the paged rollout engine (ppo_core.engine, the
+default; --rollout-engine padded for ppo_core.generate):
+  KV pool = the budget --kv-cache-gb (GiB, the run's rollout_kv_cache_gb), or by default what the engine takes:
+             80% of the memory free when the rollout starts (after model state, gather working set, rollout buffers
+             and CUDA overhead); never more than B sequences of P + R tokens hold (the engine allocates no more).
+             One sequence of T = P + R tokens holds 2 x nkv x hs x 2 bytes x the sum over layers of its slots:
+             ceil(T / 16) x 16 for full attention, min(that, (ceil((window - 1) / 16) + 1) x 16) for a sliding
+             window (blocks of 16 positions); the plan prints how many such sequences fit in the pool at once (the
+             engine runs the rest as others finish, and preempts when the pool runs out: nothing fails).
+  padded KV cache (--rollout-engine padded) = 2 (k and v) x B x nkv x hs x 2 bytes (bf16) x sum over layers of
+             their slots: P + R for full attention, min(window, P + R) for a sliding-window layer (a ring): exactly
+             ppo_core.model.KVCache's tensors (+ its [B, P+R] mask, [B] counters and write slot).
+  generation working set, the larger of: prefill a b T (3 I + 2 H) + f b T H + (a + 1) b T^2 + 2 a b T Dq (the
+             biggest block temporaries, the mask as bool and float bias, K and V repeated to nh heads; padded: the
+             B left-padded prompts, b = B and T = P; paged: one prefill chunk, b = 1 and T = min(4096, B P)) and
+             decoding 40 B V (paged: 40 min(B, 256) V, the engine's most sequences at once) (about ten fp32 [B, V] sampling buffers; a decoding step's attention copies
              nothing: each kv head's query heads become its query rows).
   scoring (policy, reference, critic and reward no-grad forwards in micro-batches of M): M rows of the same
              block temporaries at T = P + R, rolled: no mask, unless a sliding window < T (then one [T, T] mask,
@@ -241,6 +250,15 @@ def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_
     return dict(per_block=largest_block, saved=saved, transient=peak - saved, peak=peak)
 
 
+def paged_sequence_bytes(args: ModelArgs, length, kv_bytes=2, block_size=16) -> int:
+    """KV bytes one sequence of `length` tokens holds in the paged engine's pool at most: whole blocks, and for a
+    sliding-window layer only the blocks its window spans (ppo_core.scheduler frees the others)."""
+    blocks = -(-length // block_size)
+    slots = sum(block_size * (blocks if w is None else min(blocks, -(-(w - 1) // block_size) + 1))
+                for w in args.sliding_windows)
+    return 2 * slots * args.num_key_value_heads * args.head_dim * kv_bytes
+
+
 def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
     """ppo_core.model.KVCache: k and v [L, B, nkv, P+R, hs] for full-attention layers and a ring of
     min(window, P+R) slots for sliding-window ones, the [B, P+R] bool mask, [B] int64 counters, the slot."""
@@ -269,8 +287,11 @@ def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=Fa
 
 def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
          response_len=1024, rollout_batch=64, micro_batch=4, lora_rank=0, sharding="none", offload=False,
-         activation_checkpointing=False, critic_free=False) -> dict:
+         activation_checkpointing=False, critic_free=False, rollout_engine="paged", kv_cache_gb=None) -> dict:
     """The memory plan as a dict (what --json prints). Raises PlanError / CheckpointError on bad input.
+
+    rollout_engine: "paged" (ppo_core.engine: a KV pool of kv_cache_gb GiB, None = the engine's default) or
+    "padded" (ppo_core.generate's KVCache for the whole batch).
 
     critic_free: a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline): no "critic"
     role at all (no weights, gradients, optimizer state, activations or scoring forward)."""
@@ -286,6 +307,10 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         raise PlanError(f"--sharding must be none or fsdp, got {sharding!r}")
     if offload and sharding != "fsdp":
         raise PlanError("--offload needs --sharding fsdp (FSDP2 offloads the sharded state)")
+    if rollout_engine not in ("paged", "padded"):
+        raise PlanError(f"--rollout-engine must be paged or padded, got {rollout_engine!r}")
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise PlanError(f"--kv-cache-gb must be > 0, got {kv_cache_gb}")
     if critic_free and critic:
         raise PlanError(f"--critic {critic} and --no-critic: a critic-free run has no critic")
     fsdp = sharding == "fsdp"
@@ -324,7 +349,7 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
                                         checkpointing=activation_checkpointing, grad_bytes=2 if fsdp else 4)
             entry.update(activation_gb=acts["peak"] / GB, activation_saved_gb=acts["saved"] / GB,
                          activation_transient_gb=acts["transient"] / GB)
-        if role == "policy":
+        if role == "policy" and rollout_engine == "padded":
             entry["kv_cache_gb"] = kv_cache_bytes(shape["args"], B, P + R) / GB
         roles[role] = entry
 
@@ -341,12 +366,26 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
             unsharded_grads = shape["block"] if roles[role]["trainable"] and lora_rank == 0 else 0
             gather = max(gather, BF16_COPY * (shape["root"] + 2 * shape["block"] + unsharded_grads))
     policy_args = shapes["policy"]["args"]
-    kv = roles["policy"]["kv_cache_gb"] * GB
-    generation = max(forward_working_set(policy_args, B, P, prefill=True), 40 * B * policy_args.vocab_size)
+    buffers = 9 * B * (P + R) + 10 * 4 * B * R
+    per_sequence = paged_sequence_bytes(policy_args, P + R)
+    if rollout_engine == "padded":
+        kv = roles["policy"]["kv_cache_gb"] * GB
+        generation = max(forward_working_set(policy_args, B, P, prefill=True), 40 * B * policy_args.vocab_size)
+        at_once = B
+    else:
+        generation = max(forward_working_set(policy_args, 1, min(4096, B * P), prefill=True),
+                         40 * min(B, 256) * policy_args.vocab_size)  # the engine decodes 256 sequences at most
+        if kv_cache_gb is None:  # the engine's default: 80% of what is free when the rollout starts
+            free = gpu_memory_gb * GB - state - gather - buffers - CUDA_OVERHEAD_BYTES
+            kv = max(0.0, 0.8 * free)
+        else:
+            kv = kv_cache_gb * 2**30
+        kv = min(kv, B * per_sequence)  # the engine allocates no more than all B sequences can hold
+        at_once = min(B, int(kv // per_sequence))
+        roles["policy"]["kv_cache_gb"] = kv / GB
     scoring = max(forward_working_set(shape["args"], M, P + R) for shape in shapes.values())
     rollout_phase = max(kv + generation, scoring)
     training_phase = max(roles[r]["activation_gb"] * GB for r in ("policy", "critic") if r in roles)
-    buffers = 9 * B * (P + R) + 10 * 4 * B * R
     per_gpu = state + gather + max(rollout_phase, training_phase) + buffers + CUDA_OVERHEAD_BYTES
     return {
         "roles": roles,
@@ -358,6 +397,9 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         "fsdp_gather_gb": gather / GB,
         "rollout_phase_gb": rollout_phase / GB,
         "kv_cache_gb": kv / GB,
+        "rollout_engine": rollout_engine,
+        "kv_sequence_gb": per_sequence / GB,
+        "sequences_at_once": at_once,
         "generation_working_set_gb": generation / GB,
         "scoring_working_set_gb": scoring / GB,
         "training_phase_gb": training_phase / GB,
@@ -365,7 +407,7 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         "cuda_overhead_gb": CUDA_OVERHEAD_BYTES / GB,
         "cpu_offload_gb": cpu_offload / GB,
         "per_gpu_gb": per_gpu / GB,
-        "fits": per_gpu <= gpu_memory_gb * GB,
+        "fits": per_gpu <= gpu_memory_gb * GB and at_once >= 1,
         "headroom_gb": gpu_memory_gb - per_gpu / GB,
     }
 
@@ -409,8 +451,16 @@ def format_plan(p: dict) -> str:
     if p["sharding"] == "fsdp":
         lines.append(f"FSDP gather working set         {p['fsdp_gather_gb']:9.2f} GB")
     lines += [
-        f"rollout phase                   {p['rollout_phase_gb']:9.2f} GB   (KV cache {p['kv_cache_gb']:.2f} + "
+        f"rollout phase                   {p['rollout_phase_gb']:9.2f} GB   (KV "
+        + ("cache" if p["rollout_engine"] == "padded" else "pool") + f" {p['kv_cache_gb']:.2f} + "
         f"generation {p['generation_working_set_gb']:.2f}; scoring {p['scoring_working_set_gb']:.2f})",
+    ]
+    if p["rollout_engine"] == "paged":
+        T = p["prompt_len"] + p["response_len"]
+        lines.append(f"KV pool holds                   {p['sequences_at_once']:9d} of {p['rollout_batch_per_gpu']} "
+                     f"sequences of {T} tokens at once ({p['kv_sequence_gb']:.3f} GB each; the rest decode as "
+                     "others finish)")
+    lines += [
         f"training phase (activations)    {p['training_phase_gb']:9.2f} GB   "
         + ("(the policy's)" if p["critic_free"] else "(the larger of policy and critic)"),
         f"rollout buffers + CUDA overhead {p['rollout_buffers_gb'] + p['cuda_overhead_gb']:9.2f} GB",
@@ -443,6 +493,11 @@ def build_parser():
                         help="recompute each block's activations in the backward pass")
     parser.add_argument("--no-critic", action="store_true", default=None, help="critic-free estimator "
                         "(grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline): no critic model")
+    parser.add_argument("--rollout-engine", default=None, choices=("paged", "padded"),
+                        help="paged (ppo_core.engine, the default) or padded (ppo_core.generate's KV cache)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="the paged engine's KV pool in GiB (default: the run's rollout_kv_cache_gb, else 80%% "
+                        "of the memory free when the rollout starts)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -467,9 +522,9 @@ def main(argv=None):
     values = dict(policy=args.policy, critic=args.critic, reference=args.reference, gpus=args.gpus,
                   prompt_len=args.prompt_len, response_len=args.response_len, rollout_batch=args.rollout_batch,
                   micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing,
-                  critic_free=args.no_critic)
+                  critic_free=args.no_critic, rollout_engine=args.rollout_engine, kv_cache_gb=args.kv_cache_gb)
     defaults = dict(gpus=1, prompt_len=512, response_len=1024, rollout_batch=64, micro_batch=4,
-                    activation_checkpointing=False, critic_free=False)
+                    activation_checkpointing=False, critic_free=False, rollout_engine="paged", kv_cache_gb=None)
     try:
         if args.config:
             from .config import ConfigError, build_config, load_toml, rollout_rows, uses_critic
@@ -480,7 +535,8 @@ def main(argv=None):
             defaults.update(policy=run.policy or DEMO_CHECKPOINT, critic=run.critic, reference=run.reference,
                             rollout_batch=rollout_rows(run), response_len=run.max_new_tokens,
                             micro_batch=run.micro_batch_size, activation_checkpointing=run.gradient_checkpointing,
-                            critic_free=not uses_critic(run))
+                            critic_free=not uses_critic(run), rollout_engine=run.rollout_engine,
+                            kv_cache_gb=run.rollout_kv_cache_gb or None)
         values = {k: (v if v not in (None, "") else defaults.get(k, v)) for k, v in values.items()}
         if values["critic_free"] and not args.critic:
             values["critic"] = ""  # a critic named in the TOML does not count in a critic-free run

@@ -214,7 +214,7 @@ def test_entry_point_subprocess_exit_status(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("name, estimator, rows", [("ppo-qwen3-0.6b.toml", "gae", 128), ("grpo-qwen3-0.6b.toml", "grpo", 128)])
+@pytest.mark.parametrize("name, estimator, rows", [("ppo-qwen3-0.6b.toml", "gae", 512), ("grpo-qwen3-0.6b.toml", "grpo", 512)])
 def test_shipped_configs_for_real_checkpoints_are_valid(name, estimator, rows):
     from ppo_core.config import rollout_rows, uses_critic
 
@@ -222,4 +222,5 @@ def test_shipped_configs_for_real_checkpoints_are_valid(name, estimator, rows):
     cfg = build_config(load_toml(path), toml_path=path)
     assert cfg.adv_estimator == estimator and rollout_rows(cfg) == rows
     assert cfg.lr == 1e-6 and cfg.max_new_tokens == 1024 and cfg.chat_template
+    assert cfg.rollout_engine == "paged" and cfg.rollout_kv_cache_gb == 30  # 512 responses on one 80 GB GPU (ppo-plan)
     assert uses_critic(cfg) == (estimator == "gae") and (not uses_critic(cfg) or cfg.critic_lr == 1e-5)

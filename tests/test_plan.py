@@ -126,8 +126,8 @@ def test_fsdp_divides_the_sharded_state_by_the_gpu_count(capsys):
     assert two["model_state_gb"] == pytest.approx(one["model_state_gb"] / 2)
     assert two["fsdp_gather_gb"] == one["fsdp_gather_gb"] > 0
     # without sharding every GPU holds a replica; only the rollouts per GPU halve
-    ddp = run_json(capsys, "--policy", config("Qwen3-1.7B"), "--gpus", "2")
-    solo = run_json(capsys, "--policy", config("Qwen3-1.7B"))
+    ddp = run_json(capsys, "--policy", config("Qwen3-1.7B"), "--gpus", "2", "--rollout-engine", "padded")
+    solo = run_json(capsys, "--policy", config("Qwen3-1.7B"), "--rollout-engine", "padded")
     assert ddp["model_state_gb"] == pytest.approx(solo["model_state_gb"])
     assert ddp["kv_cache_gb"] < 0.51 * solo["kv_cache_gb"]
 
@@ -309,8 +309,42 @@ def test_kv_cache_is_exactly_the_kvcache_tensors(capsys, name):
                  (cache.k, cache.v, cache.k_ring, cache.v_ring, cache.mask, cache.n_real, cache.slot))
     assert plan.kv_cache_bytes(args, B, P + R, kv_bytes=2) == actual
     result = run_json(capsys, "--policy", config(name), "--rollout-batch", "48", "--gpus", "2",
-                      "--prompt-len", str(P), "--response-len", str(R))
+                      "--prompt-len", str(P), "--response-len", str(R), "--rollout-engine", "padded")
     assert round(result["kv_cache_gb"] * 1e9) == actual  # 48 rollouts over 2 GPUs: 24 per GPU
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_paged_sequence_holds_what_the_engine_holds(window):
+    """One sequence of 40 tokens (3 blocks of 16; a window of 20 spans at most 3 blocks too, of 5 at this length
+    for a longer one) in the engine's pool, against paged_sequence_bytes, in float32 (4 bytes)."""
+    from ppo_core.engine import RolloutEngine
+    from ppo_core.model import CausalLM
+
+    cfg = {"architectures": ["Olmo3ForCausalLM"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 256,
+           "sliding_window": window or 4096, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    args = ModelArgs.from_hf_config(cfg)
+    engine = RolloutEngine(CausalLM(args).eval())
+    for new in (36, 76):  # 40 and 80 tokens in all
+        engine.generate([[1, 2, 3, 4]], new)
+        assert engine.stats["peak_kv_bytes"] == plan.paged_sequence_bytes(args, 4 + new, kv_bytes=4)
+    by_hand = 2 * 2 * (32 // 4) * 4 * 16 * (5 + 3 * (5 if window is None else 3))  # 80 tokens: 5 blocks, window 3
+    assert plan.paged_sequence_bytes(args, 80, kv_bytes=4) == by_hand
+
+
+def test_the_paged_pool_is_the_budget_and_says_how_many_sequences_fit(capsys):
+    """--kv-cache-gb 2 (GiB) for Qwen3-0.6B at 512 + 1024 tokens (0.176 GB a sequence): 12 at once of 32 per GPU;
+    a budget above what all 32 hold is cut to that; the padded cache is every row at full length."""
+    args = ModelArgs.from_hf_config(json.load(open(config("Qwen3-0.6B"))))
+    per_sequence = plan.paged_sequence_bytes(args, 1536)
+    assert per_sequence == 2 * 28 * 8 * 128 * 2 * 1536  # 1536 is 96 whole blocks
+    small = run_json(capsys, "--policy", config("Qwen3-0.6B"), "--rollout-batch", "32", "--kv-cache-gb", "2")
+    assert small["kv_cache_gb"] * 1e9 == pytest.approx(2 * 2**30)
+    assert small["sequences_at_once"] == int(2 * 2**30 // per_sequence) == 12
+    large = run_json(capsys, "--policy", config("Qwen3-0.6B"), "--rollout-batch", "32", "--kv-cache-gb", "50")
+    assert large["kv_cache_gb"] * 1e9 == pytest.approx(32 * per_sequence) and large["sequences_at_once"] == 32
+    assert plan.main(["--policy", config("Qwen3-0.6B"), "--rollout-batch", "32", "--kv-cache-gb", "2"]) == 0
+    assert "KV pool holds                          12 of 32 sequences of 1536 tokens at once" in capsys.readouterr().out
 
 
 def test_kv_cache_of_sliding_window_layers_is_their_ring():
