@@ -288,3 +288,21 @@ def test_engine_refuses_what_it_cannot_do_with_one_line():
         RolloutEngine(model).generate([[]], 4)
     with pytest.raises(ValueError, match="2 prompts, 1 max_new_tokens"):
         RolloutEngine(model).generate([[1], [2]], [3])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_engine_decodes_through_the_triton_kernel_as_on_a_gpu(name, monkeypatch):
+    """PPO_KERNELS_BACKEND=triton: the engine's single-token attention runs the paged decode kernel (in Triton's
+    interpreter here), reading the block tables and sequence lengths it is given (OLMo 3: a window of 5 over
+    blocks of 4, in its own pool); the same tokens as the padded reference."""
+    import ppo_core.engine as engine_module
+
+    monkeypatch.setenv("PPO_KERNELS_BACKEND", "triton")
+    calls = []
+    kernel = engine_module.paged_decode_attention
+    monkeypatch.setattr(engine_module, "paged_decode_attention", lambda *a: calls.append(a[3].shape) or kernel(*a))
+    model = tiny(name)
+    prompts = grouped_prompts()[:6]
+    expected = reference(model, prompts, 6, greedy=True, seed=0)
+    assert RolloutEngine(model, block_size=4).generate(prompts, 6, greedy=True) == expected
+    assert len(calls) >= 5 * model.args.num_hidden_layers  # every decode step, every layer: the kernel ran
