@@ -330,9 +330,9 @@ class StepBatch:
                 k_pool[destination, :n_slots] = k_pool[source, :n_slots]
                 v_pool[destination, :n_slots] = v_pool[source, :n_slots]
         with record_function("engine.attention"):
-            out = torch.empty_like(q)  # [N + pad, nh, hs]
+            q_cache = q.to(k_pool.dtype)  # attention runs in the cache's dtype (float32 under CPU autocast)
+            out = torch.empty_like(q_cache)  # [N + pad, nh, hs]; Attention casts it back to q's dtype
             out[self.n_tokens :] = 0  # the padding rows' (never read)
-            q_cache = q.to(k_pool.dtype)
             if self.n_single and self.triton:
                 out[: self.n_single] = paged_decode_attention(q_cache[: self.n_single], k_pool, v_pool, self.tables[g],
                                                               self.seq_lens, self.windows[g])
@@ -352,5 +352,5 @@ class StepBatch:
                 keys_k = k_pool.view(-1, hs).index_select(0, key_rows).view(Bp, nkv, -1, hs)  # [Bp, nkv, Smax, hs]
                 keys_v = v_pool.view(-1, hs).index_select(0, key_rows).view(Bp, nkv, -1, hs)
                 y = attention(queries, keys_k, keys_v, mask, is_causal=mask is None)  # [Bp, nh, Tmax, hs]
-                out.index_copy_(0, out_rows, y.transpose(1, 2).reshape(-1, nh, hs)[real])
+                out.index_copy_(0, out_rows, y.transpose(1, 2).reshape(-1, nh, hs)[real].to(out.dtype))
         return out

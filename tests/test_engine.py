@@ -306,3 +306,18 @@ def test_engine_decodes_through_the_triton_kernel_as_on_a_gpu(name, monkeypatch)
     expected = reference(model, prompts, 6, greedy=True, seed=0)
     assert RolloutEngine(model, block_size=4).generate(prompts, 6, greedy=True) == expected
     assert len(calls) >= 5 * model.args.num_hidden_layers  # every decode step, every layer: the kernel ran
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_engine_under_cpu_bf16_autocast_samples_what_generate_does(name):
+    """dtype='bf16-mixed' on the CPU: matmuls in bf16 (packed bf16 weights where oneDNN has bf16 kernels, autocast's
+    F.linear elsewhere), attention and the KV cache in float32, as ppo_core.generate decodes. The two multiply the
+    same bf16 operands and differ only in the order of the fp32 accumulation (rows per matmul): greedy tokens equal,
+    log-probs within one bf16 rounding step at magnitude 1 (2^-8; measured: at most 2.2e-4)."""
+    model = tiny(name)
+    prompts = grouped_prompts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, expected_lp = reference(model, prompts, 8, greedy=True, seed=0, return_logprobs=True)
+        tokens, logprobs = RolloutEngine(model, block_size=4).generate(prompts, 8, greedy=True, return_logprobs=True)
+    assert tokens == expected
+    torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2**-8)
