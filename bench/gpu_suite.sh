@@ -13,7 +13,7 @@
 # Triton kernel variant compiles on its first launch (1-7 s each with triton 3.6, one process): the ~10
 # variants of the benchmarks fit their steps; the ~70 of the compiled Triton test tier (138 s of compiling
 # alone on a loaded CPU) do not fit a fixed early slot, so that tier runs last and gets whatever time is left
-# (about 265 s when the steps before it take their expected time). Each step prints as it goes (kernel rows,
+# (about 235 s when the steps before it take their expected time). Each step prints as it goes (kernel rows,
 # decode rows, attention rows, test names), so a step cut by its limit still leaves its finished rows in the
 # tables.
 #   step                                            expected   limit
@@ -29,9 +29,11 @@
 #     Qwen-sized kernels; few Triton variants)
 #   4 bench/kernels.py --device cuda                   40 s      65 s
 #   5 bench/generate.py --device cuda                  30 s      45 s
+#   5b bench/rollout.py --device cuda (the rollout     30 s      45 s
+#     engine, Qwen3-0.6B shape, workloads A and C)
 #   6 bench/ppo_step.py (attention, Qwen3-0.6B shape)  45 s      75 s
 #   7 default job, 2 iterations, on CUDA               20 s      35 s
-#   8 kernel test tier (compiled Triton cases)        265 s    the rest (to the deadline)
+#   8 kernel test tier (compiled Triton cases)        235 s    the rest (to the deadline)
 #   sum                                               500 s     500 s (the deadline)
 # Results and exit status. The tables end with one row per step: ok (with pytest's counts), FAILED, or cut.
 # A check that should take seconds (steps 0-2b) FAILS when it times out; a test tier or benchmark (3-8) that
@@ -285,6 +287,11 @@ if [[ $smoke == 1 ]]; then
   step --cut-ok "5 decode (smoke)" 120 python3 bench/generate.py --smoke
 else
   step --cut-ok "5 decode" 45 python3 bench/generate.py --device cuda --repeats 3
+fi
+if [[ $smoke == 1 ]]; then
+  step --cut-ok "5b rollout engine (smoke)" 120 python3 bench/rollout.py --quick --systems engine generate --threads 1
+else
+  step --cut-ok "5b rollout engine" 45 python3 bench/rollout.py --device cuda --models Qwen3-0.6B --workloads A C
 fi
 
 # ---------------------------------------------------------------------------------------- 6. one PPO iteration

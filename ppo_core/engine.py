@@ -109,7 +109,12 @@ class RolloutEngine:
         return_entropy the entropy of that distribution: (tokens, logprobs[, entropy]), lists of lists.
         eos_token_id: an id, a list of ids, or None (never stop early). seed and rows: row i samples with
         counter_uniforms(seed, rows[i], token index); rows defaults to 0..len(prompts)-1 (a process holding rows
-        offset.. of a global batch passes their global numbers, and samples what one process would)."""
+        offset.. of a global batch passes their global numbers, and samples what one process would).
+
+        Afterwards `self.stats` holds the call's accounting: computed_tokens (positions run through the model),
+        useful_tokens (tokens returned), steps, prefix_hit_tokens (prompt positions found in the pool, not
+        computed), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in use at the peak, in bytes) with
+        kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group)."""
         model, device = self.model, next(self.model.parameters()).device
         n = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * n
@@ -139,7 +144,7 @@ class RolloutEngine:
         for seq in sequences:
             if budgets[seq.index] > 0:
                 sched.add(seq)
-        stats = dict(computed_tokens=0, steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0,
+        stats = dict(computed_tokens=0, steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0, sequences_at_peak=0,
                      pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
         packed = can_pack_for_cpu(model)
         with cpu_packed_linears(model, min(n, self.max_num_seqs)) if packed else nullcontext():
@@ -170,6 +175,7 @@ class RolloutEngine:
                     stats["peak_kv_bytes"] = used
                     stats["kv_token_bytes_at_peak"] = sum(sched.held_tokens(g) * L * per_block_layer // bs
                                                           for g, L in enumerate(layers))
+                    stats["sequences_at_peak"] = len(sched.running)
                 for i, seq in enumerate(seqs):
                     seq.tokens.append(chosen[i])
                     if return_logprobs:

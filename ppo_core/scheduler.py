@@ -131,7 +131,8 @@ class Scheduler:
             tokens = tuple(seq.tokens[b * bs : (b + 1) * bs])
             seq.keys.append(prefix_key(seq.keys[-1] if seq.keys else None, tokens))
             for g, pool in enumerate(self.pools):
-                pool.register(seq.keys[-1], tokens, seq.tables[g][b], step)
+                if seq.tables[g][b] >= 0:  # (a sliding group's block before the window is not held)
+                    pool.register(seq.keys[-1], tokens, seq.tables[g][b], step)
         samples = end == len(seq.tokens)
         if samples and end % bs and seq.generated == 0:  # a prompt's last, partly filled block
             b = end // bs
