@@ -160,9 +160,9 @@ class RolloutEngine:
                 hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
                                return_hidden=True)  # [N + pad, H]
                 sampling = [c for c in step.chunks if c.samples]
-                rows = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
-                rows = torch.cat([rows, rows.new_zeros(row_bucket(len(rows), device) - len(rows))])
-                logits = model.lm_head(hidden[rows])[: len(sampling)].float()  # [S, V]
+                last = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
+                last = torch.cat([last, last.new_zeros(row_bucket(len(last), device) - len(last))])
+                logits = model.lm_head(hidden[last])[: len(sampling)].float()  # [S, V]
                 with record_function("engine.sampling"):
                     seqs = [c.seq for c in sampling]
                     chosen, logprobs, entropy = sample(logits, seqs, seed, temperature, top_p, top_k, greedy,
