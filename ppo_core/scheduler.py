@@ -35,7 +35,6 @@ class Sequence:
     num_computed: int = 0  # tokens[:num_computed] have their keys and values in the cache
     tables: list = field(default_factory=list)  # per layer group: block table (-1 = released, out of the window)
     keys: list = field(default_factory=list)  # prefix keys of its full blocks, in order (ppo_core.kv_blocks)
-    admitted: int = -1  # admission counter: the most recently admitted is preempted first
     logprobs: list = field(default_factory=list)
     entropy: list = field(default_factory=list)
 
@@ -71,8 +70,8 @@ class Scheduler:
         self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
         self.waiting = deque()
         self.running = []  # in admission order
-        self.n_steps = self.n_admitted = 0
-        self.stats = dict(preemptions=0, prefix_hit_tokens=0, peak_blocks=[0] * len(n_blocks))
+        self.n_steps = 0
+        self.stats = dict(preemptions=0, prefix_hit_tokens=0)
 
     def add(self, seq: Sequence):
         seq.tables = [[] for _ in self.pools]
@@ -152,8 +151,6 @@ class Scheduler:
                 self.pools[g].release(source)
         for seq in self.running:
             self.free_out_of_window(seq)
-        used = [pool.n_used for pool in self.pools]
-        self.stats["peak_blocks"] = [max(a, b) for a, b in zip(self.stats["peak_blocks"], used)]
 
     # -- blocks -----------------------------------------------------------------------------------------------------
 
@@ -262,7 +259,5 @@ class Scheduler:
         assert self.allocate(seq, end), "admit: the pools were checked to hold the first chunk"
         self.stats["prefix_hit_tokens"] += matched
         seq.num_computed, seq.keys = matched, keys
-        seq.admitted = self.n_admitted
-        self.n_admitted += 1
         self.running.append(seq)
         return True
