@@ -26,7 +26,8 @@
 #     CUDA graph under autocast, mm_fp32 probe, RNG
 #     in checkpoints, NCCL group, backward on CUDA)
 #   3 CUDA-only tests (CUDA graphs, fused attention,   35 s      55 s
-#     Qwen-sized kernels; few Triton variants)
+#     Qwen-sized kernels, varlen attention of packed
+#     passes; few Triton variants)
 #   4 bench/kernels.py --device cuda                   40 s      65 s
 #   5 bench/generate.py --device cuda                  30 s      45 s
 #   5b bench/rollout.py --device cuda (the rollout     30 s      45 s
@@ -265,7 +266,7 @@ exit $rc
 SH
 kernel_test_files=(tests/test_kernels_logprobs.py tests/test_kernels_linear.py tests/test_kernels_loss.py)
 test_files=("${kernel_test_files[@]}")
-for f in tests/test_generate.py tests/test_*gpu*.py tests/test_*attention*.py; do
+for f in tests/test_generate.py tests/test_*gpu*.py tests/test_*attention*.py tests/test_packing.py; do
   [[ -f $f ]] && test_files+=("$f")
 done
 # The tests gated on CUDA (CUDA-graph decoding, every attention pass on a fused kernel, the large-vocabulary and

@@ -3,6 +3,7 @@ Hugging Face layout with exact parity.
 
     model = load_model("checkpoints/reverse-demo")           # config.json + (sharded) safetensors
     logits = model(input_ids, attention_mask)                 # [B, T, V]
+    logits = model(flat_ids, packed=(positions, seq_lens))    # [N, V]: sequences packed without padding
     rm = load_reward_model("Skywork-Reward-V2-Qwen3-8B")      # *ForSequenceClassification
     rewards = rm.score(input_ids, attention_mask)             # [B], the score at the last real token
     model.save_pretrained("out/")                             # loads unchanged in `transformers`
@@ -29,6 +30,9 @@ loaded as HF's `score.weight`) because `ScoreModel.score(...)` is the reward-mod
 Shapes: B batch, T sequence (new tokens), S keys (cached + new), H hidden, nh query heads, nkv key/value heads,
 hs head size, V vocab, L layers.
 """
+import functools
+import inspect
+import itertools
 import json
 import math
 import os
@@ -536,6 +540,70 @@ def attention(q, k, v, attn_mask=None, is_causal=False):
     return y
 
 
+def packed_attention(q, k, v, seq_lens, window=None, cu_seqlens=None):
+    """Causal attention within each of several sequences packed one after another, never across them.
+
+    q [N, nh, hs], k, v [N, nkv, hs] (GQA as in `attention`); seq_lens: the sequences' lengths, host ints summing to
+    N; window: a query at place t of its sequence sees only t-window+1..t (None: all of 0..t); cu_seqlens: [S+1]
+    int32 on q's device, the running sum of seq_lens from 0 (made here when not given). -> [N, nh, hs].
+
+    The reference, which runs everywhere: one `attention` call per sequence (causal, no mask, so a fused SDPA
+    kernel; a window mask where the sequence is longer than the window). On the CPU this measured faster than one
+    call over the pack with a block-diagonal mask, which computes and stores all N^2 scores
+    (bench/ppo_step.py --attention). CUDA with 16-bit q: torch's variable-length flash attention, one kernel for the
+    whole pack (`varlen_flash_attention`), where the torch build has it."""
+    if q.is_cuda and _sdpa_dtype(q) in HALF and _varlen_attn() is not None:
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lens)), dtype=torch.int32, device=q.device)
+        return varlen_flash_attention(q, k, v, cu_seqlens, max(seq_lens), window)
+    outputs, start = [], 0
+    for length in seq_lens:
+        rows = slice(start, start + length)
+        q_s, k_s, v_s = (t[rows].transpose(0, 1)[None] for t in (q, k, v))  # [1, nh|nkv, L, hs]
+        if window is not None and length > window:
+            t = torch.arange(length, device=q.device)
+            y = attention(q_s, k_s, v_s, causal_window_mask(t, t, None, window))
+        else:
+            y = attention(q_s, k_s, v_s, is_causal=True)
+        outputs.append(y[0].transpose(0, 1))  # [L, nh, hs]
+        start += length
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+@functools.cache
+def _varlen_attn():
+    """torch.nn.attention.varlen.varlen_attn and the names of its keyword arguments, or None where this torch has
+    none (its signature changed between releases: is_causal in 2.10; window_size, then enable_gqa, later)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_flash_attention(q, k, v, cu_seqlens, max_len, window=None):
+    """packed_attention on CUDA: torch's variable-length flash attention over the whole pack (16-bit q, k, v;
+    under autocast they are cast to its dtype). Untested here without a GPU; tests/test_packing.py's GPU tier compares
+    it with the per-sequence reference."""
+    varlen_attn, params = _varlen_attn()
+    dtype = _sdpa_dtype(q)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kwargs = {}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
+    elif k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [N, nh, hs]
+    if "window_size" in params:
+        # flash's window: keys i - left .. i + right; ours: i - window + 1 .. i
+        kwargs["window_size"] = (window - 1 if window is not None else -1, 0)
+    else:
+        if window is not None and window < max_len:
+            raise NotImplementedError("this torch's varlen_attn has no sliding window: use torch >= 2.11")
+        kwargs["is_causal"] = True
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
 def _sdpa_dtype(q):
     """The dtype SDPA computes in: the autocast dtype inside an autocast region of q's device (SDPA is one of its
     lower-precision ops on CUDA and on the CPU), else q's."""
@@ -896,6 +964,31 @@ class Backbone(nn.Module):
             x = layer(x, rope, None, None, attend=attend)
         return self.norm(x)[0]
 
+    def forward_packed(self, input_ids, positions, seq_lens):
+        """A packed batch, the training passes' forward without padding (ppo_core.packing): input_ids [N], the real
+        tokens of several sequences one after another; positions [N], each token's place in its own sequence (0 at
+        its first token); seq_lens, their lengths (host ints). Attention stays within each sequence
+        (packed_attention; sliding-window layers see their window). -> hidden [N, H]: row n equals what
+        `forward` gives that token in its sequence alone."""
+        cu_seqlens = None
+        if input_ids.is_cuda:  # once for every layer of the pass (varlen flash attention reads it)
+            cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lens)), dtype=torch.int32,
+                                      device=input_ids.device)
+        windows = self.args.sliding_windows
+
+        def attend(layer_idx, q, k, v):  # q [N, nh, hs], k, v [N, nkv, hs] -> [N, nh, hs]
+            return packed_attention(q, k, v, seq_lens, windows[layer_idx], cu_seqlens)
+
+        x = self.embed_tokens(input_ids[None])  # [1, N, H]
+        ropes = self.ropes(positions[None], max(seq_lens), x.dtype)
+        for i, layer in enumerate(self.layers):
+            rope = ropes.get(self.args.layer_types[i]) if self.args.use_rope[i] else None
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, rope, None, None, False, attend, use_reentrant=False)
+            else:
+                x = layer(x, rope, None, None, attend=attend)
+        return self.norm(x)[0]
+
 
 class PretrainedMixin:
     """Saving to the Hugging Face layout; shared by both heads."""
@@ -957,14 +1050,22 @@ class CausalLM(nn.Module, PretrainedMixin):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, attention_mask=None, cache=None, return_hidden=False, head_fn=None, paged=None):
+    def forward(self, input_ids, attention_mask=None, cache=None, return_hidden=False, head_fn=None, paged=None,
+                packed=None):
         """input_ids [B, T] -> logits [B, T, V] (or the final hidden states [B, T, H]).
 
         head_fn(hidden [B, T, H], lm_head_weight [V, H]) -> anything: replaces the LM head, e.g. with a fused
         log-prob or loss kernel that never forms the logits. It runs inside forward, where FSDP has the
         head's weight gathered (outside, a sharded model holds only its shard).
         paged: (positions, attend, n_positions): the rollout engine's flat batch, input_ids [N] -> [N, H] or [N, V]
-        (Backbone.forward_paged); through this forward, so that FSDP's hooks see the root module first."""
+        (Backbone.forward_paged); through this forward, so that FSDP's hooks see the root module first.
+        packed: (positions, seq_lens): a packed batch, input_ids [N] (Backbone.forward_packed); the head (head_fn or
+        the LM head) then gets hidden [N, H]."""
+        if packed is not None:
+            hidden = self.model.forward_packed(input_ids, *packed)
+            if head_fn is not None:
+                return head_fn(hidden, self.lm_head.weight)
+            return hidden if return_hidden else self.lm_head(hidden)
         if paged is not None:
             hidden = self.model.forward_paged(input_ids, *paged)
             return hidden if return_hidden else self.lm_head(hidden)
@@ -992,9 +1093,19 @@ class ScoreModel(nn.Module, PretrainedMixin):
         self.model = Backbone(args)
         self.score_head = Linear(args.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids, attention_mask=None):
-        """input_ids [B, T] -> values [B, T] (float32)."""
+    def forward(self, input_ids, attention_mask=None, packed=None):
+        """input_ids [B, T] -> values [B, T] (float32); packed (positions, seq_lens): input_ids [N] -> [N]
+        (Backbone.forward_packed)."""
+        if packed is not None:
+            return self.score_head(self.model.forward_packed(input_ids, *packed)).squeeze(-1).float()
         return self.score_head(self.model(input_ids, attention_mask)).squeeze(-1).float()
+
+    def score_packed(self, input_ids, positions, seq_lens):
+        """`score` on a packed batch (Backbone.forward_packed): the score at each sequence's last token -> [S]
+        float32; equals `score` with last_token="mask" on the same sequences padded."""
+        hidden = self.model.forward_packed(input_ids, positions, seq_lens)  # [N, H]
+        last = torch.tensor(list(itertools.accumulate(seq_lens)), device=input_ids.device) - 1  # [S]
+        return self.score_head(hidden[last]).squeeze(-1).float()
 
     def score(self, input_ids, attention_mask=None, *, last_token="mask"):
         """The reward-model reading: the score at the last real token of each row -> [B] float32.
