@@ -136,7 +136,14 @@ class PPOConfig:
     minibatch_size: int = 32
     """Sequences per optimizer step; rollout_batch_size must be a multiple of it."""
     micro_batch_size: int = 32
-    """Sequences per forward/backward; gradients accumulate over minibatch_size / micro_batch_size of them."""
+    """Sequences per forward/backward; gradients accumulate over minibatch_size / micro_batch_size of them. Read only
+    with micro_batch_tokens = 0."""
+    micro_batch_tokens: int = 0
+    """> 0: every pass over the experience (old and reference log-probs, values, a reward model's scores, the update)
+    runs on packed micro-batches of at most this many real tokens (prompt + response, no padding; ppo_core.packing),
+    and each minibatch's sequences are split across processes by token count; a longer sequence gets a micro-batch of
+    its own. The update is the padded one up to the order of floating-point sums. It sets the activation memory:
+    choose the most tokens one forward/backward fits (ppo-plan). 0 = padded micro-batches of micro_batch_size."""
     lr: float = 5e-4
     """Peak AdamW learning rate of the policy."""
     critic_lr: float = 2e-3
@@ -445,8 +452,10 @@ def validate(cfg: PPOConfig):
     rows = rollout_rows(cfg)
     need(cfg.minibatch_size <= rows, "minibatch_size", f"must be <= rollout_batch_size * n_samples_per_prompt ({rows})")
     need(rows % cfg.minibatch_size == 0, "rollout_batch_size", f"times n_samples_per_prompt ({rows}) must be a multiple of minibatch_size ({cfg.minibatch_size})")
-    need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
-    need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
+    need(cfg.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = padded micro-batches of micro_batch_size)")
+    if not cfg.micro_batch_tokens:
+        need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
+        need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
     need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")
     need(not (cfg.reward_fn and cfg.reward_model), "reward_model", "conflicts with reward_fn: give one reward source")
     need(not (cfg.reward_url and (cfg.reward_fn or cfg.reward_model)), "reward_url",
@@ -502,6 +511,8 @@ def refuse_unread_settings(cfg: PPOConfig):
         unread("overlong_penalty", "overlong_buffer", "no overlong penalty without a buffer")
     if not cfg.filter_groups:
         unread("filter_groups_max_batches", "filter_groups", "no group filter")
+    if cfg.micro_batch_tokens:
+        unread("micro_batch_size", "micro_batch_tokens", "packed micro-batches are sized in tokens")
     if not cfg.chat_template:
         unread("enable_thinking", "chat_template", "only a chat template reads it")
     if cfg.parallel == "ddp":

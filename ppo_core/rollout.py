@@ -8,7 +8,8 @@ them (old and reference log-probs, entropy, values). The loop (ppo_core.train) t
 
   forward:   response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs, response_values;
              the update (ppo_core.update) runs the same heads, so the first minibatch's ratio is 1 up to the order of
-             a log-sum-exp. rollout_forward runs them over a Sampled batch in micro-batches -> Rollout
+             a log-sum-exp. rollout_forward runs them over a Sampled batch in micro-batches -> Rollout (padded
+             ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens: ppo_core.packing)
   prompts:   render_prompt, prompt_token_ids, encode_prompts: the token ids the policy sees, left-padded
   sampling:  sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate), then sample_and_score (the reward source
              scores them) -> Sampled; with_reference_responses for a pairwise judge
@@ -32,6 +33,7 @@ from . import distributed as dist
 from .config import rollout_rows
 from .engine import RolloutEngine
 from .generate import generate
+from .packing import pack_rows, token_budget_micro_batches, unpack_rows
 from .prompts import columns_of, prompt_text
 
 IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
@@ -44,19 +46,24 @@ def response_labels(input_ids, response_mask, prompt_len):
     return input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)
 
 
-def response_head(policy, input_ids, attention_mask, prompt_len, head):
+def response_head(policy, input_ids, attention_mask, prompt_len, head, packed=None):
     """Run `policy` and hand head(hidden [B, R, H], lm_head_weight [V, H]) the hidden states at the positions
     that predict the response tokens; returns what `head` returns. The head runs inside the model's forward
-    (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper."""
+    (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper.
+    packed (ppo_core.packing.Packed, these rows packed): the forward runs on the rows' real tokens only, and the head
+    gets the same [B, R, H] layout, zeros where a row has no response token."""
+    if packed is not None:
+        return policy(packed.input_ids, None, packed=packed.args,
+                      head_fn=lambda hidden, weight: head(unpack_rows(hidden, packed.response_index), weight))
     return policy(input_ids, attention_mask, head_fn=lambda hidden, weight: head(hidden[:, prompt_len - 1 : -1], weight))
 
 
-def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused):
+def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused, packed=None):
     """Log-probs and entropy of the response tokens under `policy`, at `temperature`.
 
     input_ids, attention_mask: [B, P+R]; response_mask: [B, R]. Returns logprobs, entropy: [B, R] float32
     (0 where response_mask is 0). `fused` picks ppo_kernels' LM-head-fused path, which never forms the
-    [B*R, V] logits; the reference path is log_softmax + gather on full logits.
+    [B*R, V] logits; the reference path is log_softmax + gather on full logits. packed: see response_head.
     """
     labels = response_labels(input_ids, response_mask, prompt_len)  # [B, R]
 
@@ -69,20 +76,23 @@ def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_l
         logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
         return ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
 
-    return response_head(policy, input_ids, attention_mask, prompt_len, head)
+    return response_head(policy, input_ids, attention_mask, prompt_len, head, packed)
 
 
-def reference_logprobs(policy, reference, *args):
+def reference_logprobs(policy, reference, *args, packed=None):
     """response_logprobs under the reference. With LoRA and no separate reference checkpoint the reference
     IS the policy object: its base weights, computed with the adapters switched off."""
     if reference is policy:
         with lora.adapters_disabled(policy):
-            return response_logprobs(policy, *args)
-    return response_logprobs(reference, *args)
+            return response_logprobs(policy, *args, packed=packed)
+    return response_logprobs(reference, *args, packed=packed)
 
 
-def response_values(critic, input_ids, attention_mask, prompt_len):
-    """V(s_t) for each response token t: the critic read at the position that predicts it. -> [B, R]."""
+def response_values(critic, input_ids, attention_mask, prompt_len, packed=None):
+    """V(s_t) for each response token t: the critic read at the position that predicts it. -> [B, R] (with packed,
+    0 where a row has no response token)."""
+    if packed is not None:
+        return unpack_rows(critic(packed.input_ids, None, packed=packed.args), packed.response_index)
     return critic(input_ids, attention_mask)[:, prompt_len - 1 : -1]
 
 
@@ -106,6 +116,7 @@ class Rollout:
     advantages: torch.Tensor = None  # [B, R]
     returns: torch.Tensor = None  # [B, R]
     sampled: "Sampled" = None  # what was sampled and scored: the rows, texts and reward components (for samples.jsonl)
+    host_mask: torch.Tensor = None  # [B, P+R] bool on the CPU: attention_mask, read by the packed passes (ppo_core.packing)
 
 
 def render_prompt(tokenizer, prompt, cfg):
@@ -253,26 +264,50 @@ def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generat
 @torch.no_grad()
 def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast) -> Rollout:
     """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
-    without a critic), in micro-batches. group: [B] int64, each row's prompt id in the global batch.
-    With cfg.old_logprobs_from_rollout the old log-probs and entropy are the decoding pass's: no policy forward."""
+    without a critic), in micro-batches (cfg.micro_batch_size rows, or packed ones of cfg.micro_batch_tokens tokens).
+    group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout the old log-probs
+    and entropy are the decoding pass's: no policy forward."""
     policy.eval()
     input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
     attention_mask = torch.cat([sampled.prompt_mask, sampled.response_mask.bool()], dim=1)
+    host_mask = attention_mask.cpu()  # [B, P+R]: packing is planned on the host
     response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
-    old_logprobs, entropy, ref_logprobs, old_values = [], [], [], []
-    for mb in micro_batches(len(sampled.prompts), cfg.micro_batch_size):
+    B, R = response_mask.shape
+    old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros(B, R, device=input_ids.device) for _ in range(4))
+    chunks, n_real = scoring_micro_batches(host_mask, cfg)
+    for i, mb in enumerate(chunks):
+        packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
         args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
         with autocast():
             if cfg.old_logprobs_from_rollout:
                 lp, ent = sampled.decode_logprobs[mb] * response_mask[mb], sampled.decode_entropy[mb] * response_mask[mb]
             else:
-                lp, ent = response_logprobs(policy, *args)
-            ref_lp, _ = reference_logprobs(policy, reference, *args)
-            v = response_values(critic, input_ids[mb], attention_mask[mb], P) if critic is not None else torch.zeros_like(lp)
-        old_logprobs.append(lp), entropy.append(ent), ref_logprobs.append(ref_lp), old_values.append(v.float())
+                lp, ent = response_logprobs(policy, *args, packed=packed)
+            ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
+            v = response_values(critic, input_ids[mb], attention_mask[mb], P, packed) if critic is not None else None
+        if i >= n_real:  # a forward run only to match another process's count
+            continue
+        old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
+        if v is not None:
+            old_values[mb] = v.float()
     return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
-                   torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(old_values) * response_mask,
-                   torch.cat(entropy), sampled.scores, group.to(input_ids.device), sampled=sampled)
+                   old_logprobs, ref_logprobs, old_values * response_mask, entropy, sampled.scores,
+                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask)
+
+
+def scoring_micro_batches(host_mask, cfg):
+    """The scoring passes' micro-batches -> (CPU index tensors of rows, how many of them are real): cfg.micro_batch_size
+    rows each, or with cfg.micro_batch_tokens rows packed to at most that many real tokens (ppo_core.packing). Every
+    process runs as many forwards as the busiest one (FSDP gathers weights in each; DDP broadcasts buffers): a
+    process short of them runs row 0 again and keeps nothing."""
+    B = host_mask.shape[0]
+    if not cfg.micro_batch_tokens:
+        chunks = micro_batches(B, cfg.micro_batch_size)
+        return chunks, len(chunks)
+    lengths = host_mask.sum(-1).tolist()
+    bins = [torch.tensor(b) for b in token_budget_micro_batches(list(range(B)), lengths, cfg.micro_batch_tokens)]
+    extra = dist.all_reduce_max_int(len(bins)) - len(bins)
+    return bins + [torch.zeros(1, dtype=torch.long)] * extra, len(bins)
 
 
 def sample_rows(sampled: Sampled) -> list:

@@ -7,13 +7,16 @@
               last one, then cfg.adv_estimator's advantages (GAE with the critic's values, or a critic-free
               baseline), computed on the global batch; the math is ppo_core.algo's
   update:     ppo_update: shuffled minibatches of the global batch (stopped early past target_kl); minibatch_gradients
-              runs each in micro-batches whose gradients add up to the minibatch's, summed across processes
+              runs each in micro-batches whose gradients add up to the minibatch's, summed across processes: padded
+              ones of micro_batch_size rows (each process its own rows), or with micro_batch_tokens packed ones
+              (ppo_core.packing: each minibatch's rows split across processes by token count, then packed to the budget)
   objectives: policy_objective: the clipped surrogate (PPO's token ratio or GSPO's sequence ratio), + the KL loss
               term, - the entropy bonus, on the fused kernel or the torch reference; the critic's clipped value loss
               (algo.value_loss)
   optimizers: Optimizers: AdamW for policy and critic, warm-up + cosine LR (lr_at), the skip-on-NaN rule
 The forward heads are the rollout's (ppo_core.rollout), so the update's log-probs are computed as the old ones were.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -24,6 +27,7 @@ import ppo_kernels
 from . import algo
 from . import distributed as dist
 from .config import PPOConfig
+from .packing import balanced_split, pack_rows, token_budget_micro_batches
 from .rollout import Rollout, micro_batches, response_head, response_labels, response_values
 
 
@@ -72,7 +76,7 @@ def lr_at(step, total_steps, cfg: PPOConfig):
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg):
+def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg, packed=None):
     """The policy's minibatch loss on one micro-batch: the clipped surrogate (cfg.policy_loss_kind: PPO's token ratio
     or GSPO's sequence ratio), + kl_coef * KL to the reference when the KL is a loss term (cfg.kl_in_reward = False),
     - entropy_coef * entropy. Returns (loss to backward, pg_loss, kl_loss, stats).
@@ -80,7 +84,8 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
     fused: ppo_kernels.linear_policy_loss forms the log-probs, the loss and its gradients from the hidden
     states and the LM head tile by tile, never the [B*R, V] logits (GSPO, whose ratio spans a whole sequence, runs
     on ppo_kernels.linear_token_logprobs' fused log-probs and entropy, with their own backward); otherwise full
-    logits, log_softmax + gather and ppo_core.algo, the plain reference a researcher edits."""
+    logits, log_softmax + gather and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed
+    (ppo_core.packing); the heads see what they see padded."""
     labels = response_labels(ids, rm, P)
     kl_in_loss = not cfg.kl_in_reward
     clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
@@ -103,10 +108,10 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
         return out if want_entropy else (out, None)
 
     if cfg.fused_kernels and cfg.policy_loss_kind == "ppo":
-        loss, stats = response_head(policy, ids, am, P, fused_head)  # the KL and entropy terms are inside
+        loss, stats = response_head(policy, ids, am, P, fused_head, packed)  # the KL and entropy terms are inside
         logp = stats["logp"]  # detached; the KL term's value is reported separately below
     else:
-        logp, entropy = response_head(policy, ids, am, P, logprob_head)
+        logp, entropy = response_head(policy, ids, am, P, logprob_head, packed)
         if cfg.policy_loss_kind == "gspo":
             loss, stats = algo.gspo_policy_loss(logp, old_logp, advantages, rm, **clip, num_seqs=agg["num_seqs"])
         else:
@@ -149,19 +154,30 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
         critic.train()
     b = rollout.input_ids.shape[0]
     world, lo = dist.world_size(), dist.rank() * b
+    if cfg.micro_batch_tokens:  # packed: every process holds every row, and takes a token-balanced share of each minibatch
+        rollout = every_process_rows(rollout)
+        lengths = rollout.host_mask.sum(-1).tolist()  # [b*world] real tokens per row
     stats: dict[str, list] = {}
     first_ratio_dev, ratio_max_dev, steps, stopped = None, 0.0, 0, False
     for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(b * world, generator=generator)  # [b*world] CPU, the same on every process
         for start in range(0, b * world, cfg.minibatch_size):
             mb_global = order[start : start + cfg.minibatch_size]
-            mb = mb_global[(mb_global >= lo) & (mb_global < lo + b)] - lo  # this process's rows (CPU)
             # Every process runs as many micro-batches as the busiest one (their gradient reductions pair
             # up); each process knows every process's rows from the shared permutation, so no collective.
-            rows_per_process = (mb_global[None, :] // b == torch.arange(world)[:, None]).sum(-1)  # [world] CPU
-            n_micro = -(-int(rows_per_process.max()) // cfg.micro_batch_size)  # ceil
-            sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, mb, n_micro, cfg, kl_coef, autocast,
-                                                           train_policy)
+            if cfg.micro_batch_tokens:
+                shares = balanced_split(mb_global.tolist(), [lengths[r] for r in mb_global.tolist()], world)
+                plans = [token_budget_micro_batches(share, [lengths[r] for r in share], cfg.micro_batch_tokens)
+                         for share in shares]
+                chunks = [torch.tensor(rows) for rows in plans[dist.rank()]]  # rows of the every-process rollout
+                n_micro = max(len(plan) for plan in plans)
+            else:
+                mb = mb_global[(mb_global >= lo) & (mb_global < lo + b)] - lo  # this process's rows (CPU)
+                rows_per_process = (mb_global[None, :] // b == torch.arange(world)[:, None]).sum(-1)  # [world] CPU
+                n_micro = -(-int(rows_per_process.max()) // cfg.micro_batch_size)  # ceil
+                chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
+            sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, chunks, n_micro, cfg, kl_coef,
+                                                           autocast, train_policy)
             values, tokens, (first_dev, max_dev) = _read_step_stats(sums, counts, ratio_devs)
             for name, value, per_token in zip(MB_STATS, values, MB_STATS_PER_TOKEN):
                 _append(stats, name, value / tokens if per_token else value)
@@ -207,10 +223,12 @@ def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
     return unused
 
 
-def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOConfig, kl_coef, autocast, train_policy=True):
-    """Forward and backward of policy and critic over this process's rows `mb` (a CPU index tensor) of one
-    minibatch, in n_micro micro-batches (a process short of rows runs one of its rows with no token in the loss:
-    gradient 0); gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
+def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: PPOConfig, kl_coef, autocast,
+                        train_policy=True):
+    """Forward and backward of policy and critic over this process's rows of one minibatch, in n_micro micro-batches:
+    chunks, CPU index tensors of rows (a process with fewer than n_micro runs row 0 with no token in the loss:
+    gradient 0), each padded to the rollout's width or, with cfg.micro_batch_tokens, packed (ppo_core.packing);
+    gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
     (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
 
     Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
@@ -218,12 +236,11 @@ def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOC
     global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
     sequence counts) and ratio_devs [2] (max |ratio - 1| of the processes' first micro-batches, and of all of them)."""
     device, P = rollout.input_ids.device, rollout.prompt_len
-    mask_mb = rollout.response_mask[mb]
+    mask_mb = rollout.response_mask[torch.cat(chunks)] if chunks else rollout.response_mask[:0]
     # Global denominators for the whole minibatch, so the micro-batch losses of all processes
     # add up to the minibatch's loss (and their gradients to its gradient).
     counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
     agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
-    chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
     sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
     zero = torch.zeros((), device=device)
     first_ratio_dev, max_ratio_dev = None, zero
@@ -232,6 +249,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOC
         ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
         if i >= len(chunks):
             rm = torch.zeros_like(rm)
+        packed = pack_rows(ids, rollout.host_mask[rows], P) if cfg.micro_batch_tokens else None
         last = i == n_micro - 1
         n = rm.sum()
         pg_loss = kl_loss = vf_loss = zero
@@ -241,7 +259,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOC
                 with autocast():
                     loss, pg_loss, kl_loss, pg_stats = policy_objective(
                         policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
-                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg)
+                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg, packed)
                 loss.backward()
             if first_ratio_dev is None:
                 first_ratio_dev = pg_stats["ratio_max_dev"].detach()
@@ -249,7 +267,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOC
         if critic is not None:
             with dist.gradient_sync(critic, last):
                 with autocast():
-                    values = response_values(critic, ids, am, P).float()
+                    values = response_values(critic, ids, am, P, packed).float()
                 vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
                                                     clip=cfg.value_clip or None, **agg)
                 vf_loss.backward()
@@ -259,6 +277,18 @@ def minibatch_gradients(policy, critic, rollout: Rollout, mb, n_micro, cfg: PPOC
     if first_ratio_dev is None:
         first_ratio_dev = zero
     return dist.all_reduce_sum(sums), counts, dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev]))
+
+
+def every_process_rows(rollout: Rollout) -> Rollout:
+    """The rollout with every process's rows, in rank order (one process: the rollout itself): what the packed update
+    splits across processes by token count (ppo_update). Per-row tensors only; prompts, responses and scores stay
+    each process's own."""
+    if dist.world_size() == 1:
+        return rollout
+    tensors = {name: dist.all_gather_rows(getattr(rollout, name))
+               for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs", "old_values",
+                            "entropy", "advantages", "returns")}
+    return dataclasses.replace(rollout, **tensors, host_mask=tensors["attention_mask"].cpu())
 
 
 def _read_step_stats(sums, counts, ratio_devs):

@@ -114,6 +114,22 @@ def test_two_processes_match_one_grpo_groups(tmp_path, parallel):
     assert all(r["filter/batches"] >= 1 for r in metrics(tmp_path / "two"))
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one_packed(tmp_path, parallel):
+    """Packed micro-batches (micro_batch_tokens): each minibatch's rows are split across the processes by token count,
+    not by which process sampled them, and each process runs as many micro-batches as the busiest (FSDP's collectives
+    pair up); scoring passes pad their count likewise. The update is 1 process's up to the order of sums."""
+    args = [a for a in ARGS if not a.startswith("--micro_batch_size")]
+    args += ["--iterations=2", "--micro_batch_tokens=48", "--adv_estimator=grpo", "--n_samples_per_prompt=4",
+             "--rollout_batch_size=4"]
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--parallel={parallel}", f"--out={tmp_path / 'two'}"],
+                    tmp_path)
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(tmp_path / "one", tmp_path / "two", step=2)
+
+
 def kill_mid_rollout_and_resume(args, tmp_path):
     """A 2-process run SIGKILLed in its 2nd iteration's rollout, then resumed under torchrun -> its dir."""
     driver = tmp_path / "driver.py"

@@ -192,12 +192,14 @@ def join_cuda_only_group(world=2):
     distributed._device = torch.device("cuda")  # what distributed.init("cuda") sets (it also needs a real GPU)
 
 
-def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
+def audit_one_iteration(fused, kl_in_reward, autocast, world=1, packed=False):
     """One PPO iteration (rollout, advantages, two optimizer steps) on fake CUDA tensors; asserts what it checks.
-    world=2: as rank 0 of two processes in a CUDA-only process group (join_cuda_only_group)."""
+    world=2: as rank 0 of two processes in a CUDA-only process group (join_cuda_only_group). packed: every pass on
+    packed micro-batches (micro_batch_tokens; a budget of 1 token puts each row in a micro-batch of its own)."""
     # The Triton launch cannot run on fake tensors; the fused entry points' torch path has the same signature.
     os.environ["PPO_KERNELS_BACKEND"] = "torch"
-    cfg = build_config({}, {"rollout_batch_size": "4", "minibatch_size": "2", "micro_batch_size": "1",
+    batching = {"micro_batch_tokens": "1"} if packed else {"micro_batch_size": "1"}
+    cfg = build_config({}, {**batching, "rollout_batch_size": "4", "minibatch_size": "2",
                             "max_new_tokens": "6", "ppo_epochs": "1", "fused_kernels": str(fused).lower(),
                             "kl_in_reward": str(kl_in_reward).lower(), "cuda_graph": "false",
                             # the engine's default budget reads the GPU's free memory, which fake CUDA has not got
@@ -241,9 +243,11 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1):
         assert all(p.grad is None for p in policy.parameters())  # zero_grad after the step
         assert isinstance(stats["policy/first_ratio_max_dev"], float)
 
-    # Device reads of the loop's files in the rollout: the sampled tokens and their mask brought to the host, once each.
+    # Device reads of the loop's files in the rollout: the sampled tokens and their mask brought to the host, once each,
+    # and the attention mask once (what packing plans on, and ppo_update reads: nothing is read in the micro-batch loop).
     if world == 1:  # (with two processes, all_reduce_max_int's result is read as well)
-        assert [r for r in rollout_reads if r.startswith(LOOP_FILES)] == ["rollout.py:sample_responses"] * 2, rollout_reads
+        want = ["rollout.py:sample_responses"] * 2 + ["rollout.py:rollout_forward"]
+        assert [r for r in rollout_reads if r.startswith(LOOP_FILES)] == want, rollout_reads
     # Device reads of the loop's files in the update, per optimizer step: the statistics in one read, then the finite
     # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
     ours = [r for r in audit.device_reads if r.startswith(LOOP_FILES)]
@@ -258,6 +262,7 @@ CASES = [
     (False, True, True),   # the default kl_in_reward (kl_loss is a constant 0) on the plain torch head
     (True, False, True),   # the KL as a loss term, LM-head-fused kernels (their torch path)
     (True, True, False),   # dtype=float32 on a GPU: no autocast
+    (True, True, True, True),  # packed micro-batches (micro_batch_tokens): varlen attention under bf16 autocast
 ]
 
 
@@ -270,7 +275,7 @@ def run_audit(*args, tmp_path):
 
 
 def test_one_ppo_iteration_on_fake_cuda_mixes_no_devices(tmp_path):
-    proc = run_audit(*(f"{int(f)}{int(k)}{int(a)}" for f, k, a in CASES), tmp_path=tmp_path)
+    proc = run_audit(*("".join(str(int(flag)) for flag in case) for case in CASES), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.split() == ["ok"] * len(CASES), proc.stdout
 
@@ -300,7 +305,7 @@ def audit_catches_what_fake_tensors_let_through():
             sums += torch.stack([loss, loss]).double()  # and a CPU accumulator of CUDA values raises anyway
 
 
-if __name__ == "__main__":  # python tests/test_fake_cuda.py TMP_DIR CASE...   (CASE: 3 digits fused, kl_in_reward, autocast)
+if __name__ == "__main__":  # python tests/test_fake_cuda.py TMP_DIR CASE...   (CASE: digits fused, kl_in_reward, autocast[, packed])
     _fake_cuda_runtime(sys.argv[1])
     for case in sys.argv[2:]:
         if case == "catches":
@@ -309,5 +314,6 @@ if __name__ == "__main__":  # python tests/test_fake_cuda.py TMP_DIR CASE...   (
             join_cuda_only_group(world=2)
             audit_one_iteration(True, False, True, world=2)
         else:
-            audit_one_iteration(*(c == "1" for c in case))
+            flags = [c == "1" for c in case]
+            audit_one_iteration(*flags[:3], packed=len(flags) > 3 and flags[3])
         print("ok", flush=True)
