@@ -3,6 +3,7 @@
     ppo-plan --policy configs/models/Qwen3-4B --gpus 8 --sharding fsdp --prompt-len 512 --response-len 1024
     ppo-plan --policy ckpt/Qwen3-8B --reward-model ckpt/Skywork-Reward-V2-Qwen3-8B --lora-rank 64 --json
     ppo-plan --config configs/default.toml --prompt-len 8            # the run config of ppo-train
+    ppo-plan --policy configs/models/Qwen3-0.6B --micro-batch-tokens 16384   # packed micro-batches of 16384 tokens
     ppo-plan --policy configs/models/Qwen3-1.7B --no-critic           # GRPO, RLOO, REINFORCE++: no critic
 
 A role's checkpoint is a directory holding config.json or the config.json itself; nothing else is read.
@@ -65,6 +66,24 @@ saves in this hand-written model (ppo_core/model.py), per block:
   The policy and the critic run their forward + backward one after the other, so the training phase needs the
   larger of the two, not the sum (the policy's alone without a critic).
 
+Packed micro-batches (the run's micro_batch_tokens > 0, or --micro-batch-tokens): every training and scoring pass
+runs on the real tokens of several sequences concatenated, at most the budget of them (ppo_core.packing), so N is
+the budget, not M T: N = max(budget, T), a sequence longer than the budget getting a micro-batch of its own. What
+changes in the terms above:
+      attention  per sequence, torch's variable-length flash attention on a GPU: no mask and no [T, T] bias in any
+                 layer (its sliding window is the kernel's), K and V not repeated (GQA native; a torch whose
+                 varlen_attn lacks enable_gqa repeats them, 2 a N (Dq - Dkv) more per block, not counted)
+      once       8 N (the packed token ids the embedding keeps) + 8 M R (the [M, R] index that lays the hidden
+                 states out per sequence again) + 2 a N hs (RoPE cos, sin per RoPE type)
+                 + N H (f + a_w) (final norm)
+      policy head  a M R H: the fused log-prob kernel still reads [M, R, H], the hidden states unpacked per sequence
+                 (zeros where a row has no response token); it computes only real response tokens, but its input
+                 and its backward's dhidden have M R rows
+      critic head  a N H: the score head projects the packed [N, H] before the values are unpacked
+  M here is the sequences in one micro-batch. The planner assumes sequences of the planned length, M = max(1,
+  budget // T), as it assumes full-length rows everywhere else; shorter sequences pack more of them into the budget:
+  the terms in N stay bounded by it, the head terms in M R grow with M (at most the minibatch's sequences per GPU).
+
 Rollouts (B sequences per GPU, B = ceil(rollout_batch / G)), with the paged rollout engine (ppo_core.engine, the
 default; --rollout-engine padded for ppo_core.generate):
   KV pool = the budget --kv-cache-gb (GiB, the run's rollout_kv_cache_gb), or by default what the engine takes:
@@ -84,7 +103,8 @@ default; --rollout-engine padded for ppo_core.generate):
              nothing: each kv head's query heads become its query rows).
   scoring (policy, reference, critic and reward no-grad forwards in micro-batches of M): M rows of the same
              block temporaries at T = P + R, rolled: no mask, unless a sliding window < T (then one [T, T] mask,
-             (a + 1) T^2, and the repeated K and V, 2 a M T Dq); no autograd state.
+             (a + 1) T^2, and the repeated K and V, 2 a M T Dq); no autograd state. Packed: the block temporaries
+             of N = max(budget, T) tokens, never a mask.
   rollout buffers: token ids and mask 9 B T + ten fp32 [B, R] tensors.
 
 Per GPU = model state of every role + gather working set + max(rollout phase, training phase) + rollout buffers
@@ -103,7 +123,9 @@ tensor leaves RSS), against saved + transient. The same formulas are evaluated t
 CPU (torch) log-prob path; the KV cache is compared with KVCache's tensors built on the meta device.
 Found (8 sequences x 128 tokens, H 128, 3 blocks): peaks within -2% to +9% of the measured ones for policy
 and critic, with and without activation checkpointing; saved bytes within 0.4%, also for the default job itself
-and for an OLMo-3-style model whose sliding windows are shorter than the sequence. On the CPU, SDPA's flash
+and for an OLMo-3-style model whose sliding windows are shorter than the sequence. The same micro-batch packed (its
+928 real tokens, rollout's packed path, attention one sequence at a time as the CPU runs it): peaks within +0.5% to
++13% (the critic with checkpointing the furthest), saved bytes within 0.4%. On the CPU, SDPA's flash
 kernel saves what the fused CUDA kernels save (q, k, v, output, log-sum-exp, the float bias of a mask); that
 each CUDA pass does take a fused kernel is for a GPU run to show (run it under torch.nn.attention.sdpa_kernel
 without the math backend).
@@ -204,15 +226,20 @@ def logprob_backward_bytes(n_rows, vocab, hidden, *, act=2, grad_bytes=4, head_t
     return workspace + dh + slab + dw
 
 
-def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_rank=0, checkpointing=False,
+def training_activations(args: ModelArgs, role, M, P, R, *, tokens=0, act=2, fp32=4, lora_rank=0, checkpointing=False,
                          grad_bytes=4, backend="triton") -> dict:
     """Bytes of one training micro-batch's activations for `role` ("policy" or "critic"): saved, transient, peak.
 
-    The formulas of the module docstring; act = bytes of an activation, fp32 = bytes of the norms' float copy."""
+    The formulas of the module docstring; act = bytes of an activation, fp32 = bytes of the norms' float copy.
+    tokens = 0: M padded rows of P + R tokens. tokens > 0: a packed micro-batch, M sequences whose real tokens,
+    `tokens` in all, run concatenated (ppo_core.packing) and whose response hidden states are laid out [M, R, H]
+    again for the policy's head. backend "torch" is what CPU tensors run: the chunked log-prob path and, packed,
+    attention one sequence at a time, whose outputs are concatenated (a N Dq more per block than one kernel)."""
     H, I, L, hs = args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.head_dim
     nh, nkv, V = args.num_attention_heads, args.num_key_value_heads, args.vocab_size
     T = P + R
-    N = M * T
+    packed = tokens > 0
+    N = tokens if packed else M * T
     Dq, Dkv = nh * hs, nkv * hs
     # the weight * normalised-x product saves x only when the weight trains (RMSNorm, not LoRA's frozen base)
     a_w = act if (args.norm == "rmsnorm" and lora_rank == 0) else 0
@@ -223,19 +250,27 @@ def training_activations(args: ModelArgs, role, M, P, R, *, act=2, fp32=4, lora_
     if args.clip_qkv is not None:
         block += act * N * (Dq + 2 * Dkv)  # clamp saves the projections
     block += act * N * (2 * Dq + 2 * Dkv) + 4 * N * nh  # q, k, v, out; lse (rolled rows: causal, no mask)
+    if packed and backend == "torch" and M > 1:
+        block += act * N * Dq  # the per-sequence outputs each saved, and their concatenation (o_proj's input)
     block += 4 * act * N * I  # gate, silu(gate), up, product
     block += 7 * act * N * lora_rank
-    # a sliding window shorter than the sequence needs a mask: K, V repeated to nh heads, the [T, T] float bias
+    # a sliding window shorter than the sequence needs a mask: K, V repeated to nh heads, the [T, T] float bias.
+    # Packed, varlen flash attention takes the window itself: no mask (the CPU reference's per-sequence masks are
+    # not modelled)
     masked_extra = 2 * act * N * (Dq - Dkv) + act * T * T
-    n_masked = sum(w is not None and w < T for w in args.sliding_windows)
+    n_masked = 0 if packed else sum(w is not None and w < T for w in args.sliding_windows)
     rope_bytes = fp32 if args.float32_rope_and_norm_weight else act
     n_rope = len({t for t, r in zip(args.layer_types, args.use_rope) if r})
-    once = 16 * N + n_rope * 2 * M * T * hs * rope_bytes + norm_input
+    if packed:  # the packed ids the embedding keeps, the [M, R] index of unpack_rows (policy and critic)
+        once = 8 * N + 8 * M * R + n_rope * 2 * N * hs * rope_bytes + norm_input
+    else:  # token ids, rolled, and the roll back
+        once = 16 * N + n_rope * 2 * M * T * hs * rope_bytes + norm_input
     if role == "policy":
+        # packed too, the head reads [M, R, H]: unpack_rows lays the hidden states out per sequence again
         head = act * M * R * H
         head_transient = logprob_backward_bytes(M * R, V, H, act=act, grad_bytes=grad_bytes,
                                                 head_trainable=lora_rank == 0, backend=backend)
-    else:
+    else:  # the score head's input: every token, [M, T, H] or packed [N, H]
         head, head_transient = act * N * H, 0
     layer_transient = 2 * act * N * I
     largest_block = block + (masked_extra if n_masked else 0)
@@ -267,14 +302,18 @@ def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
     return 2 * elements * kv_bytes + batch * max_len + 8 * batch + 8
 
 
-def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=False) -> int:
+def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=False, packed=False) -> int:
     """Temporaries of a no-grad forward of rows x length tokens: the largest block's, and attention's masks.
 
     prefill=False (scoring: rows rolled, pads after the real tokens): a mask only where a sliding window is
     shorter than `length`, one [T, T] for the batch. prefill=True (the left-padded prompt into the KV cache):
-    a mask per row. A mask comes as bool and float bias, with K and V repeated to nh heads (model.attention)."""
+    a mask per row. A mask comes as bool and float bias, with K and V repeated to nh heads (model.attention).
+    packed=True (micro_batch_tokens: rows x length real tokens of sequences packed, attention per sequence by
+    varlen flash attention): never a mask."""
     n = rows * length
     block = act * n * (3 * args.intermediate_size + 2 * args.hidden_size) + fp32 * n * args.hidden_size
+    if packed:
+        return block
     mask_rows = rows if prefill else int(any(w is not None and w < length for w in args.sliding_windows))
     if not mask_rows:
         return block
@@ -286,9 +325,14 @@ def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=Fa
 # ---------------------------------------------------------------------------- the plan
 
 def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
-         response_len=1024, rollout_batch=64, micro_batch=4, lora_rank=0, sharding="none", offload=False,
-         activation_checkpointing=False, critic_free=False, rollout_engine="paged", kv_cache_gb=None) -> dict:
+         response_len=1024, rollout_batch=64, micro_batch=4, micro_batch_tokens=0, lora_rank=0, sharding="none",
+         offload=False, activation_checkpointing=False, critic_free=False, rollout_engine="paged",
+         kv_cache_gb=None) -> dict:
     """The memory plan as a dict (what --json prints). Raises PlanError / CheckpointError on bad input.
+
+    micro_batch_tokens > 0: packed micro-batches of at most that many real tokens (the run's micro_batch_tokens;
+    micro_batch is then not read); the result's micro_batch is how many sequences of prompt_len + response_len
+    tokens one holds (at least 1: a longer sequence runs alone). 0: padded micro-batches of micro_batch sequences.
 
     rollout_engine: "paged" (ppo_core.engine: a KV pool of kv_cache_gb GiB, None = the engine's default) or
     "padded" (ppo_core.generate's KVCache for the whole batch).
@@ -299,6 +343,8 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
                         ("rollout_batch", rollout_batch), ("micro_batch", micro_batch)):
         if value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if micro_batch_tokens < 0:
+        raise PlanError(f"--micro-batch-tokens must be >= 0 (0 = padded micro-batches), got {micro_batch_tokens}")
     if lora_rank < 0:
         raise PlanError(f"--lora-rank must be >= 0, got {lora_rank}")
     if gpu_memory_gb <= 0:
@@ -317,6 +363,12 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
     shard = gpus if fsdp else 1
     P, R, M = prompt_len, response_len, micro_batch
     B = math.ceil(rollout_batch / gpus)  # rollouts per GPU
+    N = M * (P + R)  # tokens of one micro-batch, padding included
+    if micro_batch_tokens:
+        # packed: sequences of the planned length, as many as the budget holds (a longer one runs alone), and the
+        # budget's worth of tokens (shorter sequences fill it: more of them, see the module docstring)
+        M = max(1, micro_batch_tokens // (P + R))
+        N = max(micro_batch_tokens, P + R)
 
     configs = {"policy": policy, "reference": reference or policy}
     if not critic_free:
@@ -345,8 +397,9 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         if role == "reference" and shared_base:
             entry["note"] = "the policy's frozen base with adapters disabled: no second copy"
         if trainable:
-            acts = training_activations(shape["args"], role, M, P, R, lora_rank=lora_rank,
-                                        checkpointing=activation_checkpointing, grad_bytes=2 if fsdp else 4)
+            acts = training_activations(shape["args"], role, M, P, R, tokens=N if micro_batch_tokens else 0,
+                                        lora_rank=lora_rank, checkpointing=activation_checkpointing,
+                                        grad_bytes=2 if fsdp else 4)
             entry.update(activation_gb=acts["peak"] / GB, activation_saved_gb=acts["saved"] / GB,
                          activation_transient_gb=acts["transient"] / GB)
         if role == "policy" and rollout_engine == "padded":
@@ -383,7 +436,10 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         kv = min(kv, B * per_sequence)  # the engine allocates no more than all B sequences can hold
         at_once = min(B, int(kv // per_sequence))
         roles["policy"]["kv_cache_gb"] = kv / GB
-    scoring = max(forward_working_set(shape["args"], M, P + R) for shape in shapes.values())
+    if micro_batch_tokens:
+        scoring = max(forward_working_set(shape["args"], 1, N, packed=True) for shape in shapes.values())
+    else:
+        scoring = max(forward_working_set(shape["args"], M, P + R) for shape in shapes.values())
     rollout_phase = max(kv + generation, scoring)
     training_phase = max(roles[r]["activation_gb"] * GB for r in ("policy", "critic") if r in roles)
     per_gpu = state + gather + max(rollout_phase, training_phase) + buffers + CUDA_OVERHEAD_BYTES
@@ -392,7 +448,7 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         "gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "sharding": sharding, "offload": offload,
         "lora_rank": lora_rank, "activation_checkpointing": activation_checkpointing, "critic_free": critic_free,
         "prompt_len": P, "response_len": R, "rollout_batch": rollout_batch, "rollout_batch_per_gpu": B,
-        "micro_batch": M,
+        "micro_batch": M, "micro_batch_tokens": micro_batch_tokens,
         "model_state_gb": state / GB,
         "fsdp_gather_gb": gather / GB,
         "rollout_phase_gb": rollout_phase / GB,
@@ -429,9 +485,11 @@ def format_plan(p: dict) -> str:
         extras.append("activation checkpointing")
     if p["critic_free"]:
         extras.append("no critic")
+    micro_batch = (f"micro-batch {p['micro_batch_tokens']} tokens per GPU, packed" if p["micro_batch_tokens"]
+                   else f"micro-batch {p['micro_batch']} per GPU")
     lines = [
         f"{p['gpus']} GPU(s) x {p['gpu_memory_gb']:g} GB; prompt {p['prompt_len']} + response {p['response_len']} tokens; "
-        f"rollout batch {p['rollout_batch']} ({p['rollout_batch_per_gpu']} per GPU), micro-batch {p['micro_batch']} per GPU",
+        f"rollout batch {p['rollout_batch']} ({p['rollout_batch_per_gpu']} per GPU), {micro_batch}",
         f"{mode}; {', '.join(extras)}",
         "",
         f"{'role':<13}{'model':<11}{'params':>9}{'trainable':>11}{'weights':>9}{'grads':>8}{'optim':>8}"
@@ -460,6 +518,13 @@ def format_plan(p: dict) -> str:
         lines.append(f"KV pool holds                   {p['sequences_at_once']:9d} of {p['rollout_batch_per_gpu']} "
                      f"sequences of {T} tokens at once ({p['kv_sequence_gb']:.3f} GB each; the rest decode as "
                      "others finish)")
+    if p["micro_batch_tokens"]:
+        T = p["prompt_len"] + p["response_len"]
+        sequences = f"{p['micro_batch']:9d} sequence" + ("s" if p["micro_batch"] > 1 else "")
+        lines.append(f"micro-batch holds               {sequences} of {T} tokens "
+                     + (f"({p['micro_batch'] * T} of its {p['micro_batch_tokens']} tokens; shorter ones pack more)"
+                        if T <= p["micro_batch_tokens"] else f"(longer than its {p['micro_batch_tokens']} tokens: "
+                        "each runs alone)"))
     lines += [
         f"training phase (activations)    {p['training_phase_gb']:9.2f} GB   "
         + ("(the policy's)" if p["critic_free"] else "(the larger of policy and critic)"),
@@ -478,14 +543,18 @@ def build_parser():
     parser.add_argument("--reference", default="", help="reference checkpoint or config.json (default: the policy)")
     parser.add_argument("--reward-model", default="", help="reward model checkpoint or config.json (default: none)")
     parser.add_argument("--config", default="", help="a ppo-train TOML: policy, reference, critic, "
-                        "rollout_batch_size x n_samples_per_prompt, max_new_tokens, micro_batch_size, "
-                        "gradient_checkpointing, adv_estimator (no critic unless gae) (flags given here win)")
+                        "rollout_batch_size x n_samples_per_prompt, max_new_tokens, micro_batch_size or "
+                        "micro_batch_tokens, gradient_checkpointing, adv_estimator (no critic unless gae) "
+                        "(flags given here win)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs in the run (default 1)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GB = 1e9 bytes (default 80)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens P (default 512)")
     parser.add_argument("--response-len", type=int, default=None, help="response tokens R (default 1024)")
     parser.add_argument("--rollout-batch", type=int, default=None, help="rollouts per iteration, all GPUs (default 64)")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward per GPU (default 4)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward per GPU "
+                        "(default 4; given alone, it plans padded micro-batches even where the --config packs them)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="packed micro-batches of at most N real "
+                        "tokens per GPU (the run's micro_batch_tokens; 0 = padded micro-batches of --micro-batch)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r (0 = full fine-tuning)")
     parser.add_argument("--sharding", default="none", choices=("none", "fsdp"), help="none (replicas, DDP) or fsdp")
     parser.add_argument("--offload", action="store_true", help="FSDP CPU offload of the sharded state")
@@ -521,9 +590,10 @@ def main(argv=None):
     args = build_parser().parse_args(dashed_options(list(argv)))
     values = dict(policy=args.policy, critic=args.critic, reference=args.reference, gpus=args.gpus,
                   prompt_len=args.prompt_len, response_len=args.response_len, rollout_batch=args.rollout_batch,
-                  micro_batch=args.micro_batch, activation_checkpointing=args.activation_checkpointing,
-                  critic_free=args.no_critic, rollout_engine=args.rollout_engine, kv_cache_gb=args.kv_cache_gb)
-    defaults = dict(gpus=1, prompt_len=512, response_len=1024, rollout_batch=64, micro_batch=4,
+                  micro_batch=args.micro_batch, micro_batch_tokens=args.micro_batch_tokens,
+                  activation_checkpointing=args.activation_checkpointing, critic_free=args.no_critic,
+                  rollout_engine=args.rollout_engine, kv_cache_gb=args.kv_cache_gb)
+    defaults = dict(gpus=1, prompt_len=512, response_len=1024, rollout_batch=64, micro_batch=4, micro_batch_tokens=0,
                     activation_checkpointing=False, critic_free=False, rollout_engine="paged", kv_cache_gb=None)
     try:
         if args.config:
@@ -534,9 +604,15 @@ def main(argv=None):
                 raise PlanError(str(e)) from None
             defaults.update(policy=run.policy or DEMO_CHECKPOINT, critic=run.critic, reference=run.reference,
                             rollout_batch=rollout_rows(run), response_len=run.max_new_tokens,
-                            micro_batch=run.micro_batch_size, activation_checkpointing=run.gradient_checkpointing,
+                            micro_batch=run.micro_batch_size, micro_batch_tokens=run.micro_batch_tokens,
+                            activation_checkpointing=run.gradient_checkpointing,
                             critic_free=not uses_critic(run), rollout_engine=run.rollout_engine,
                             kv_cache_gb=run.rollout_kv_cache_gb or None)
+        if args.micro_batch is not None and args.micro_batch_tokens:
+            raise PlanError("--micro-batch counts padded sequences, --micro-batch-tokens sizes packed micro-batches: "
+                            "give one")
+        if args.micro_batch is not None:
+            defaults["micro_batch_tokens"] = 0  # a padded micro-batch asked for beats the config's token budget
         values = {k: (v if v not in (None, "") else defaults.get(k, v)) for k, v in values.items()}
         if values["critic_free"] and not args.critic:
             values["critic"] = ""  # a critic named in the TOML does not count in a critic-free run

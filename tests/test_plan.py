@@ -18,6 +18,7 @@ import torch
 
 from ppo_core import algo, plan, train
 from ppo_core.model import KVCache, ModelArgs, count_parameters, load_model, load_score_model
+from ppo_core.packing import pack_rows
 from ppo_core.rollout import response_logprobs, response_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,6 +96,7 @@ def test_json_schema_and_the_total_is_the_sum_of_its_parts(capsys):
     for role in ("policy", "critic"):
         assert result["roles"][role]["activation_gb"] > 0
     assert isinstance(result["per_gpu_gb"], float) and isinstance(result["fits"], bool)
+    assert result["micro_batch_tokens"] == 0 and result["micro_batch"] == 4  # padded unless a token budget is given
     parts = (result["model_state_gb"] + result["fsdp_gather_gb"] + max(result["rollout_phase_gb"], result["training_phase_gb"])
              + result["rollout_buffers_gb"] + result["cuda_overhead_gb"])
     assert result["per_gpu_gb"] == pytest.approx(parts)
@@ -297,6 +299,142 @@ def test_the_log_prob_tiles_are_the_kernels_own():
             assert plan._tile_shape(n_rows, vocab, tile) == linear_logprobs._tile_shape(n_rows, vocab, tile)
 
 
+
+# ---------------------------------------------------------------------------- packed micro-batches (micro_batch_tokens)
+
+@needs_configs
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_activations_by_hand(checkpointing):
+    """Qwen3-0.6B (H 1024, I 3072, L 28, 16 query and 8 kv heads of 128, qk-norm, bf16 activations a = 2, fp32 norm
+    copies f = 4, trained norm weights a_w = 2), a packed micro-batch of N = 16384 tokens holding M = 10 sequences
+    with R = 1024 response slots each."""
+    args = ModelArgs.from_hf_config(json.load(open(config("Qwen3-0.6B"))))
+    assert (args.hidden_size, args.intermediate_size, args.num_hidden_layers) == (1024, 3072, 28)
+    assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.qk_norm) == (16, 8, 128, "head")
+    N, M, P, R, H, I, L = 16384, 10, 512, 1024, 1024, 3072, 28
+    # per token of one block: norms 2 H (f + a_w) + 2 a H = 16384; q/k norms (f + a_w)(Dq + Dkv) = 6 x 3072 = 18432;
+    # q, k, v, out 2 (2 x 2048 + 2 x 1024) = 12288 and the log-sum-exp 4 x 16 = 64; MLP 4 a I = 24576
+    block = (16384 + 18432 + 12288 + 64 + 24576) * N
+    assert block == 71744 * N
+    # once: the packed ids 8 N, the [M, R] unpack index 8 M R, RoPE cos and sin 2 a N hs = 512 N, final norm 6 H N
+    once = (8 + 512 + 6144) * N + 8 * M * R
+    heads = {"policy": 2 * M * R * H,  # the [M, R, H] hidden states the fused log-prob kernel reads
+             "critic": 2 * N * H}  # the score head's packed [N, H] input
+    transients = {"policy": plan.logprob_backward_bytes(M * R, args.vocab_size, H), "critic": 0}
+    for role in ("policy", "critic"):
+        got = plan.training_activations(args, role, M, P, R, tokens=N, checkpointing=checkpointing)
+        layer_transient = 2 * 2 * N * I  # the gradients of silu(gate) and up
+        if checkpointing:
+            kept = L * 2 * N * H + once + heads[role]  # each block's input
+            saved = kept + block
+            peak = max(kept + transients[role], saved + layer_transient)
+        else:
+            saved = L * block + once + heads[role]
+            peak = saved + max(transients[role], layer_transient)
+        assert (got["per_block"], got["saved"], got["peak"]) == (block, saved, peak), role
+
+
+@needs_configs
+def test_packing_the_padded_micro_batchs_tokens_plans_the_same_but_the_ids():
+    """A budget of exactly 8 sequences of 1536 tokens: the same activations as the padded micro-batch of 8, except
+    the token ids (padded: 16 B a token, the ids rolled and rolled back; packed: 8 B a token and 8 B a response
+    slot of the unpack index), 8 M P bytes fewer; a sliding window shorter than the sequence costs no mask packed."""
+    args = ModelArgs.from_hf_config(json.load(open(config("Qwen3-0.6B"))))
+    M, P, R = 8, 512, 1024
+    for role in ("policy", "critic"):
+        for checkpointing in (False, True):
+            padded = plan.training_activations(args, role, M, P, R, checkpointing=checkpointing)
+            packed = plan.training_activations(args, role, M, P, R, tokens=M * (P + R), checkpointing=checkpointing)
+            assert padded["saved"] - packed["saved"] == 8 * M * P
+            assert padded["peak"] - packed["peak"] == 8 * M * P
+    cfg = dict(architectures=["Olmo3ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=256, max_position_embeddings=128,
+               sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    olmo = ModelArgs.from_hf_config(cfg)
+    M, P, R = 4, 16, 16
+    padded = plan.training_activations(olmo, "critic", M, P, R)
+    packed = plan.training_activations(olmo, "critic", M, P, R, tokens=M * (P + R))
+    masked = 2 * 2 * M * (P + R) * (4 - 1) * 16 + 2 * (P + R) ** 2  # K, V repeated to 4 heads; the [T, T] bias
+    assert padded["saved"] - packed["saved"] == masked + 8 * M * P
+    assert plan.forward_working_set(olmo, 1, 128, packed=True) < plan.forward_working_set(olmo, 1, 128)
+
+
+@needs_configs
+def test_a_token_budget_plans_the_budget_and_the_sequences_it_holds(capsys):
+    base = ["--policy", config("Qwen3-0.6B")]
+    result = run_json(capsys, *base, "--micro-batch-tokens", "16384")
+    args = ModelArgs.from_hf_config(json.load(open(config("Qwen3-0.6B"))))
+    assert result["micro_batch_tokens"] == 16384 and result["micro_batch"] == 16384 // 1536 == 10
+    for role in ("policy", "critic"):
+        by_formula = plan.training_activations(args, role, 10, 512, 1024, tokens=16384)
+        assert result["roles"][role]["activation_gb"] * 1e9 == pytest.approx(by_formula["peak"], rel=1e-12)
+    assert result["scoring_working_set_gb"] * 1e9 == pytest.approx(plan.forward_working_set(args, 1, 16384), rel=1e-12)
+    # a budget below one sequence: each runs alone, a micro-batch of P + R tokens
+    short = run_json(capsys, *base, "--micro-batch-tokens", "1000")
+    alone = plan.training_activations(args, "policy", 1, 512, 1024, tokens=1536)
+    assert short["micro_batch"] == 1 and short["roles"]["policy"]["activation_gb"] * 1e9 == pytest.approx(alone["peak"])
+    # the padded plan says 0
+    assert run_json(capsys, *base)["micro_batch_tokens"] == 0
+    assert plan.main([*base, "--micro-batch-tokens", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 16384 tokens per GPU, packed" in out.splitlines()[0]
+    assert "micro-batch holds                      10 sequences of 1536 tokens (15360 of its 16384 tokens" in out
+    assert plan.main([*base, "--micro-batch-tokens", "1000"]) == 0
+    assert "1 sequence of 1536 tokens (longer than its 1000 tokens: each runs alone)" in capsys.readouterr().out
+    assert plan.main([*base, "--micro-batch-tokens", "-1"]) == 2
+    assert "--micro-batch-tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_token_budget_flags_beat_the_config(capsys, tmp_path):
+    """The run's micro_batch_tokens plans packed micro-batches; --micro-batch-tokens replaces the budget (0: padded
+    micro-batches of the config's micro_batch_size); --micro-batch alone asks for padded ones; both at once: refused."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("rollout_batch_size = 16\nminibatch_size = 16\nmax_new_tokens = 20\nmicro_batch_tokens = 120\n")
+    P = ["--prompt-len", "10"]  # sequences of 30 tokens: 4 in 120
+    from_config = run_json(capsys, "--config", str(toml), *P)
+    assert (from_config["micro_batch_tokens"], from_config["micro_batch"]) == (120, 4)
+    flag = run_json(capsys, "--config", str(toml), *P, "--micro-batch-tokens", "60")
+    assert (flag["micro_batch_tokens"], flag["micro_batch"]) == (60, 2)
+    assert flag["training_phase_gb"] < from_config["training_phase_gb"]
+    off = run_json(capsys, "--config", str(toml), *P, "--micro_batch_tokens=0")
+    assert (off["micro_batch_tokens"], off["micro_batch"]) == (0, 32)  # PPOConfig's micro_batch_size
+    padded = run_json(capsys, "--config", str(toml), *P, "--micro-batch", "2")
+    assert (padded["micro_batch_tokens"], padded["micro_batch"]) == (0, 2)
+    assert plan.main(["--config", str(toml), "--micro-batch", "2", "--micro-batch-tokens", "60"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+@needs_configs
+@pytest.mark.parametrize("name", ["grpo-qwen3-0.6b.toml", "ppo-qwen3-0.6b.toml"])
+def test_shipped_configs_fit_one_80_gb_gpu_as_their_comments_say(capsys, name):
+    """configs/{grpo,ppo}-qwen3-0.6b.toml with Qwen3-0.6B: packed micro-batches of 65536 tokens, 42 sequences of
+    1536; the update's activations stay under the rollout phase, so the total is model state + rollout phase +
+    buffers + 1 GB, what the padded micro-batches of 8 planned too; the comment quotes these numbers."""
+    path = os.path.join(ROOT, "configs", name)
+    result = run_json(capsys, "--config", path, "--policy", config("Qwen3-0.6B"))
+    assert result["micro_batch_tokens"] == 65536 and result["micro_batch"] == 65536 // 1536 == 42
+    assert result["rollout_batch"] == 512 and result["critic_free"] == name.startswith("grpo")
+    assert result["activation_checkpointing"] and result["kv_cache_gb"] * 1e9 == pytest.approx(30 * 2**30)
+    # the model state by hand: 18 B per trained parameter, 2 per frozen one (the reference)
+    n = result["roles"]["policy"]["params"]
+    trained = n + (result["roles"]["critic"]["params"] if "critic" in result["roles"] else 0)
+    assert result["model_state_gb"] * 1e9 == pytest.approx(18 * trained + 2 * n)
+    assert result["training_phase_gb"] < result["rollout_phase_gb"] / 3
+    total = result["model_state_gb"] + result["rollout_phase_gb"] + result["rollout_buffers_gb"] + 1.0
+    assert result["per_gpu_gb"] == pytest.approx(total, rel=1e-12) and result["fits"]
+    padded = run_json(capsys, "--config", path, "--policy", config("Qwen3-0.6B"), "--micro-batch", "8")
+    assert padded["micro_batch_tokens"] == 0 and padded["per_gpu_gb"] == pytest.approx(result["per_gpu_gb"], rel=1e-12)
+    # the config's comment quotes this plan
+    comment = open(path).read()
+    for quoted in (f"model state {result['model_state_gb']:.2f} GB",
+                   f"rollout phase {result['rollout_phase_gb']:.2f} GB",
+                   f"training phase {result['training_phase_gb']:.2f} GB",
+                   f"{result['per_gpu_gb']:.2f} GB per GPU in all", f"({result['headroom_gb']:+.2f} GB)",
+                   f"holds {result['sequences_at_once']} of the 512 sequences",
+                   f"{result['micro_batch']} sequences of 1536"):
+        assert quoted in comment.replace("\n# ", " "), quoted
+
+
 # ---------------------------------------------------------------------------- KV cache: exact
 
 @needs_configs
@@ -378,26 +516,28 @@ def _batch(M, P, R, V, seed=0):
     return ids, am, rm, -torch.rand(M, R, generator=g), torch.randn(M, R, generator=g), torch.randn(M, R, generator=g)
 
 
-def _policy_loss(policy, batch, P):
+def _policy_loss(policy, batch, P, packed=None):
     ids, am, rm, old_logprobs, advantages, _ = batch
-    logprobs, _ = response_logprobs(policy, ids, am, rm, P, 1.0, True)
+    logprobs, _ = response_logprobs(policy, ids, am, rm, P, 1.0, True, packed=packed)
     return algo.policy_loss(logprobs, old_logprobs, advantages, rm, num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids)))[0]
 
 
-def _value_loss(critic, batch, P):
+def _value_loss(critic, batch, P, packed=None):
     ids, am, rm, old_values, _, returns = batch
-    values = response_values(critic, ids, am, P)
+    values = response_values(critic, ids, am, P, packed)
     return algo.value_loss(values, old_values, returns, rm, num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids)))[0]
 
 
-def measure(policy, critic, M, P, R, rss=False) -> dict:
-    """One training micro-batch: {role: {"saved": bytes autograd saved, "peak": peak RSS increase (rss=True)}}."""
+def measure(policy, critic, M, P, R, rss=False, packed=False) -> dict:
+    """One training micro-batch: {role: {"saved": bytes autograd saved, "peak": peak RSS increase (rss=True)}};
+    packed=True runs it packed (ppo_core.packing, as micro_batch_tokens does) and adds "tokens", its real tokens."""
     V = policy.args.vocab_size
     params = {p.untyped_storage().data_ptr() for m in (policy, critic) for p in m.parameters()}
     for model, loss_fn in ((policy, _policy_loss), (critic, _value_loss)):  # warm-up; steady state has .grad
         model.train()
         loss_fn(model, _batch(2, 8, 8, V, seed=1), 8).backward()
     batch = _batch(M, P, R, V)
+    packed_batch = pack_rows(batch[0], batch[1], P) if packed else None
     out = {}
     for role, model, loss_fn in (("policy", policy, _policy_loss), ("critic", critic, _value_loss)):
         storages = {}
@@ -415,10 +555,12 @@ def measure(policy, critic, M, P, R, rss=False) -> dict:
             if _rss_bytes()["VmHWM"] > before + (1 << 20):
                 raise OSError("this kernel did not reset VmHWM through /proc/self/clear_refs")
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn(model, batch, P)
+            loss = loss_fn(model, batch, P, packed_batch)
         loss.backward()
         del loss
         out[role] = {"saved": sum(storages.values())}
+        if packed:
+            out[role]["tokens"] = packed_batch.input_ids.numel()
         if rss:
             out[role]["peak"] = _rss_bytes()["VmHWM"] - before
     return out
@@ -454,19 +596,22 @@ def _can_measure_rss():
 
 @pytest.mark.skipif(not _can_measure_rss(), reason="needs Linux /proc/self/clear_refs to reset the RSS high-water mark")
 def test_activation_estimate_within_25_percent_of_measured_peak():
-    """The scaled-down job, without and with activation checkpointing, measured in one fresh process."""
+    """The scaled-down job, padded and packed (its 928 real tokens of 8 x 128), without and with activation
+    checkpointing, measured in one fresh process."""
     args = ModelArgs.from_hf_config(SCALED)
     report = []
     runs = _measure_in_fresh_process()
     if "skip" in runs:
         pytest.skip(runs["skip"])
-    for checkpointing in (False, True):
-        measured = runs[str(checkpointing)]
+    for packed, checkpointing in ((False, False), (False, True), (True, False), (True, True)):
+        measured = runs[("packed " if packed else "") + str(checkpointing)]
         for role in ("policy", "critic"):
-            estimate = plan.training_activations(args, role, **SCALED_SHAPE, act=4, fp32=4, backend="torch",
-                                                 checkpointing=checkpointing)
+            tokens = measured[role]["tokens"] if packed else 0
+            estimate = plan.training_activations(args, role, **SCALED_SHAPE, tokens=tokens, act=4, fp32=4,
+                                                 backend="torch", checkpointing=checkpointing)
             ratio = estimate["peak"] / measured[role]["peak"]
-            report.append(f"{role} ckpt={checkpointing}: estimated {estimate['peak'] / 1e6:.1f} MB, "
+            report.append(f"{role} {'packed' if packed else 'padded'} ckpt={checkpointing}: "
+                          f"estimated {estimate['peak'] / 1e6:.1f} MB, "
                           f"measured {measured[role]['peak'] / 1e6:.1f} MB ({ratio - 1:+.1%})")
             assert 0.75 <= ratio <= 1.25, report
             if not checkpointing:  # checkpointing hides its tensors from saved_tensors_hooks
@@ -514,14 +659,15 @@ if __name__ == "__main__":  # the measuring process of test_activation_estimate_
 
     torch.set_num_threads(1)
     results = {}
-    for checkpointing in (False, True):
+    for packed, checkpointing in ((False, False), (False, True), (True, False), (True, True)):
         torch.manual_seed(0)
         model_args = ModelArgs.from_hf_config(SCALED)
         policy_model, critic_model = CausalLM(model_args), ScoreModel(model_args)
         for m in (policy_model, critic_model):
             m.model.gradient_checkpointing = checkpointing
         try:
-            results[str(checkpointing)] = measure(policy_model, critic_model, **SCALED_SHAPE, rss=True)
+            results[("packed " if packed else "") + str(checkpointing)] = measure(
+                policy_model, critic_model, **SCALED_SHAPE, rss=True, packed=packed)
         except OSError as e:
             results = {"skip": str(e)}
             break
