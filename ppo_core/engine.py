@@ -28,6 +28,8 @@ Precision as in ppo_core.generate: under autocast the matmuls compute in bf16; t
 dtype on a GPU and in float32 under CPU autocast (where attention computes in float32); on the CPU float32 models
 multiply with oneDNN-packed weights for the duration of the call.
 """
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import nullcontext
 
 import torch
@@ -101,7 +103,8 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
-                 eos_token_id=None, seed=0, return_logprobs=False, return_entropy=False, rows=None):
+                 eos_token_id=None, seed=0, return_logprobs=False, return_entropy=False, rows=None,
+                 on_turn_end=None, max_turn_tokens=None, return_mask=False):
         """Sample after each prompt (a list of token ids) up to max_new_tokens (an int, or one per prompt) new tokens.
 
         -> one list of new token ids per prompt, ending at its first EOS (included); with return_logprobs also the
@@ -111,10 +114,22 @@ class RolloutEngine:
         counter_uniforms(seed, rows[i], token index); rows defaults to 0..len(prompts)-1 (a process holding rows
         offset.. of a global batch passes their global numbers, and samples what one process would).
 
+        Multi-turn episodes (ppo_core.environments): on_turn_end(index, tokens after the prompt so far) is called when
+        sequence `index` ends a turn (an EOS, or max_turn_tokens sampled in this turn) with room left in its
+        max_new_tokens, and returns None (the episode is over: the sequence finishes), a list of token ids (an
+        observation, appended now), or a concurrent.futures.Future of either (a tool still running: the sequence
+        leaves the batch, keeping its cache, and the others go on decoding; it comes back when the future is done).
+        Appended tokens count in max_new_tokens, get mask 0 (return_mask: one list of 1s and 0s per prompt after the
+        tokens in the result), log-prob and entropy 0, and are prefilled on the sequence's own cache; an observation
+        that leaves no room for one more sampled token ends the episode instead. Sampling noise counts every token
+        after the prompt, the appended ones included.
+
         Afterwards `self.stats` holds the call's accounting: computed_tokens (positions run through the model),
         useful_tokens (tokens returned), steps, prefix_hit_tokens (prompt positions found in the pool, not
         computed), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in use at the peak, in bytes) with
-        kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group)."""
+        kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group);
+        with on_turn_end also turns, observation_tokens and busy_fraction (the share of the call's wall time spent in
+        steps, not waiting on tools with nothing to decode)."""
         model, device = self.model, next(self.model.parameters()).device
         n = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * n
@@ -140,15 +155,59 @@ class RolloutEngine:
                   torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device))
                  for L, nb in zip(layers, n_blocks)]
         sched = Scheduler(n_blocks, bs, windows, self.max_num_seqs, self.max_step_tokens)
-        sequences = [Sequence(i, rows[i], list(p), len(p), budgets[i]) for i, p in enumerate(prompts)]
+        sequences = [Sequence(i, rows[i], list(p), len(p), budgets[i], turn_start=len(p)) for i, p in enumerate(prompts)]
         for seq in sequences:
             if budgets[seq.index] > 0:
                 sched.add(seq)
         stats = dict(computed_tokens=0, steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0, sequences_at_peak=0,
                      pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
+        turns = dict(turns=0, observation_tokens=0, idle_s=0.0)
+        pending = {}  # Future -> the parked sequence it answers
+        started = time.perf_counter()
+
+        def end_turn(seq):
+            """seq ended a turn with room left: ask on_turn_end what follows."""
+            turns["turns"] += 1
+            answer = on_turn_end(seq.index, seq.tokens[seq.prompt_len :])
+            if isinstance(answer, Future):
+                sched.park(seq)
+                pending[answer] = seq
+            else:
+                continue_episode(seq, answer, parked=False)
+
+        def continue_episode(seq, observation, parked):
+            room = seq.max_new - seq.generated
+            if observation is None or len(observation) >= room:  # over, or no room to answer the observation
+                if parked:
+                    sched.parked.remove(seq)
+                    sched.running.append(seq)
+                sched.finish(seq)
+                return
+            turns["observation_tokens"] += len(observation)
+            if not parked:
+                sched.park(seq)
+            sched.resume(seq, list(observation))
+            if return_logprobs:
+                seq.logprobs += [0.0] * len(observation)
+                seq.entropy += [0.0] * len(observation) if return_entropy else []
+
+        def collect_answers(block):
+            """Resume the parked sequences whose futures are done (block: wait for at least one first)."""
+            if not pending:
+                return
+            if block:
+                t0 = time.perf_counter()
+                wait(list(pending), return_when=FIRST_COMPLETED)
+                turns["idle_s"] += time.perf_counter() - t0
+            for future in [f for f in pending if f.done()]:
+                continue_episode(pending.pop(future), future.result(), parked=True)
+
         packed = can_pack_for_cpu(model)
         with cpu_packed_linears(model, min(n, self.max_num_seqs)) if packed else nullcontext():
             while not sched.done:
+                collect_answers(block=not sched.running and not sched.waiting)
+                if not sched.running and not sched.waiting:
+                    continue
                 with record_function("engine.schedule"):
                     step = sched.schedule()
                     if not step.chunks:
@@ -178,20 +237,32 @@ class RolloutEngine:
                     stats["sequences_at_peak"] = len(sched.running)
                 for i, seq in enumerate(seqs):
                     seq.tokens.append(chosen[i])
+                    seq.mask.append(1)
                     if return_logprobs:
                         seq.logprobs.append(logprobs[i])
                         if return_entropy:
                             seq.entropy.append(entropy[i])
-                    if chosen[i] in stop_ids or seq.generated >= seq.max_new:
+                    if seq.generated >= seq.max_new:
+                        sched.finish(seq)
+                    elif on_turn_end is not None and (chosen[i] in stop_ids or (
+                            max_turn_tokens is not None and len(seq.tokens) - seq.turn_start >= max_turn_tokens)):
+                        end_turn(seq)
+                    elif chosen[i] in stop_ids:
                         sched.finish(seq)
         stats.update(preemptions=sched.stats["preemptions"], prefix_hit_tokens=sched.stats["prefix_hit_tokens"],
                      useful_tokens=sum(s.generated for s in sequences), block_size=bs, blocks=n_blocks)
+        if on_turn_end is not None:
+            wall = time.perf_counter() - started
+            stats.update(turns=turns["turns"], observation_tokens=turns["observation_tokens"],
+                         busy_fraction=1.0 - turns["idle_s"] / wall if wall > 0 else 1.0)
         self.stats = stats
         tokens = [s.tokens[s.prompt_len :] for s in sequences]
-        if not return_logprobs:
-            return tokens
-        out = (tokens, [s.logprobs for s in sequences])
-        return out + ([s.entropy for s in sequences],) if return_entropy else out
+        out = (tokens,) + (([s.mask for s in sequences],) if return_mask else ())
+        if return_logprobs:
+            out += ([s.logprobs for s in sequences],)
+            if return_entropy:
+                out += ([s.entropy for s in sequences],)
+        return out if len(out) > 1 else tokens
 
 
 def sample(logits, seqs, seed, temperature, top_p, top_k, greedy, return_logprobs, return_entropy):

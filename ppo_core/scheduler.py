@@ -11,7 +11,11 @@ Each step (one forward of the model over a flat batch of tokens, ppo_core.engine
      shared, not recomputed. At least its last token is always computed (its logits give the next token); when that
      token falls inside a shared block, the block is copied first (copy-on-write: the sequence gets its own block with
      the shared slots copied, and writes only after them).
-Finished sequences leave at once and their blocks are freed (ppo_core.engine calls `finish`).
+Finished sequences leave at once and their blocks are freed (ppo_core.engine calls `finish`). A sequence waiting on a
+tool (a multi-turn episode, ppo_core.engine's on_turn_end) is `park`ed: it leaves the running batch and keeps its
+blocks, and `resume` brings it back with the observation's tokens appended, which it then prefills on top of its own
+cache like a prompt chunk. When a running sequence cannot get a block and is the only one running, a parked
+sequence's blocks are freed instead (it is recomputed from its tokens when it resumes).
 
 Layer groups: a model whose layers attend to a sliding window keeps those layers in a pool of their own; a
 sequence's table there holds only the blocks its next query can see (blocks wholly before the window are freed,
@@ -37,6 +41,8 @@ class Sequence:
     keys: list = field(default_factory=list)  # prefix keys of its full blocks, in order (ppo_core.kv_blocks)
     logprobs: list = field(default_factory=list)
     entropy: list = field(default_factory=list)
+    mask: list = field(default_factory=list)  # per token after the prompt: 1 sampled, 0 appended (an observation)
+    turn_start: int = 0  # len(tokens) when its current turn began (multi-turn episodes)
 
     @property
     def generated(self) -> int:
@@ -70,6 +76,7 @@ class Scheduler:
         self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
         self.waiting = deque()
         self.running = []  # in admission order
+        self.parked = []  # waiting on a tool, blocks kept (or freed by `make_room`: then num_computed is 0)
         self.n_steps = 0
         self.stats = dict(preemptions=0, prefix_hit_tokens=0)
 
@@ -79,7 +86,7 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.parked
 
     # -- one step ---------------------------------------------------------------------------------------------------
 
@@ -95,6 +102,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.allocate(seq, seq.num_computed + length):
+                if len(self.running) == 1 and any(p.num_computed for p in self.parked):
+                    self.make_room()
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -195,6 +205,32 @@ class Scheduler:
     def finish(self, seq: Sequence):
         self.release_all(seq)
         self.running.remove(seq)
+
+    def park(self, seq: Sequence):
+        """seq waits on a tool: out of the running batch, its blocks kept."""
+        self.running.remove(seq)
+        self.parked.append(seq)
+
+    def resume(self, seq: Sequence, tokens: list):
+        """seq's tool has answered: `tokens` are appended (mask 0) and it runs again, prefilling them on its own
+        cache; one whose blocks `make_room` took waits first in the queue, to be recomputed."""
+        self.parked.remove(seq)
+        seq.tokens += tokens
+        seq.mask += [0] * len(tokens)
+        seq.turn_start = len(seq.tokens)
+        if seq.num_computed:
+            self.running.append(seq)
+        else:
+            seq.tables = [[] for _ in self.pools]
+            self.waiting.appendleft(seq)
+
+    def make_room(self):
+        """Free the blocks of the most recently parked sequence that holds any (it is recomputed on resuming)."""
+        seq = next(p for p in reversed(self.parked) if p.num_computed)
+        self.release_all(seq)
+        seq.num_computed = 0
+        seq.keys = []
+        self.stats["preemptions"] += 1
 
     # -- admission and prefix sharing -------------------------------------------------------------------------------
 

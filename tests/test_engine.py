@@ -8,6 +8,8 @@ at the same sampling noise on every family, and against itself under every sched
 forcing preemption, prefill chunks, batch limits, rows split as over processes): the tokens must not change.
 """
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -321,3 +323,75 @@ def test_engine_under_cpu_bf16_autocast_samples_what_generate_does(name):
         tokens, logprobs = RolloutEngine(model, block_size=4).generate(prompts, 8, greedy=True, return_logprobs=True)
     assert tokens == expected
     torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2**-8)
+
+
+# -- multi-turn episodes: a turn ends, an observation is appended, decoding goes on -----------------------------
+
+OBSERVATIONS = {0: [[7, 8, 9], [11]], 1: [[20, 21]], 2: [], 3: [[5, 5, 5, 5]]}  # per prompt, one per turn end
+
+
+def turn_by_turn(model, prompt, observations, turn_tokens, budget):
+    """The reference: each turn decoded by a fresh greedy engine call on the whole conversation so far (prompt, the
+    turns, the observations) -> (tokens after the prompt, mask)."""
+    tokens, mask = [], []
+    for k in range(len(observations) + 1):
+        room = budget - len(tokens)
+        turn = RolloutEngine(model).generate([prompt + tokens], min(turn_tokens, room), greedy=True)[0]
+        tokens += turn
+        mask += [1] * len(turn)
+        if k == len(observations) or len(tokens) >= budget or budget - len(tokens) <= len(observations[k]):
+            break
+        tokens += observations[k]
+        mask += [0] * len(observations[k])
+    return tokens, mask
+
+
+def scripted(observations, executor=None, slow=()):
+    """on_turn_end answering prompt i's k-th turn end with observations[i][k] (None after the last); for the prompts
+    in `slow`, through a Future that a thread completes after 50 ms, as a tool running alongside decoding would."""
+    seen = {}
+
+    def on_turn_end(index, tokens):
+        k = seen[index] = seen.get(index, -1) + 1
+        answer = observations[index][k] if k < len(observations[index]) else None
+        if index in slow:
+            return executor.submit(lambda: (time.sleep(0.05), answer)[1])
+        return answer
+    return on_turn_end
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_multi_turn_episodes_continue_on_their_own_cache(name):
+    """Turns of 4 sampled tokens, then each prompt's observations: the tokens of a fresh decode of each whole
+    conversation (greedy), observation tokens masked 0, each position computed once (the observations are prefilled
+    on the sequence's own cache, never the conversation again), also when one prompt's tool answers late."""
+    model = tiny(name)
+    prompts = grouped_prompts()[:4]
+    budget = 16
+    want = [turn_by_turn(model, p, OBSERVATIONS[i], 4, budget) for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(2) as executor:
+        for slow in [(), (0, 3)]:
+            engine = RolloutEngine(model, block_size=4)
+            tokens, mask, logprobs = engine.generate(
+                prompts, budget, greedy=True, on_turn_end=scripted(OBSERVATIONS, executor, slow), max_turn_tokens=4,
+                return_mask=True, return_logprobs=True)
+            assert [(t, m) for t, m in zip(tokens, mask)] == want, slow
+            assert all(lp == 0.0 for row, m in zip(logprobs, mask) for lp, keep in zip(row, m) if not keep)
+            s = engine.stats
+            assert s["computed_tokens"] == sum(len(p) + len(t) - 1 for p, t in zip(prompts, tokens)) - s["prefix_hit_tokens"]
+            assert s["observation_tokens"] == sum(len(t) - sum(m) for t, m in zip(tokens, mask))
+            assert 0.0 < s["busy_fraction"] <= 1.0
+
+
+def test_multi_turn_parked_sequences_give_up_their_blocks_when_the_pool_runs_out():
+    """A pool of 40 positions for four episodes whose tools answer late: parked sequences' blocks are freed for the
+    running ones and recomputed when their tool answers; the tokens do not change."""
+    model = tiny("qwen3")
+    prompts = grouped_prompts()[:4]
+    want = [turn_by_turn(model, p, OBSERVATIONS[i], 4, 16) for i, p in enumerate(prompts)]
+    engine = RolloutEngine(model, block_size=2, kv_cache_gb=40 * pool_bytes_per_position(model) / 2**30)
+    with ThreadPoolExecutor(2) as executor:
+        tokens, mask = engine.generate(prompts, 16, greedy=True, on_turn_end=scripted(OBSERVATIONS, executor, (0, 1, 3)),
+                                       max_turn_tokens=4, return_mask=True)
+    assert [(t, m) for t, m in zip(tokens, mask)] == want
+    assert engine.stats["preemptions"] > 0

@@ -1,0 +1,127 @@
+"""Multi-turn episodes: an environment a user writes in plain Python, played by the policy on the rollout engine.
+
+    class MyEnv:                                   # in a file of the user's, like a reward function
+        max_turns = 4
+        def reset(self, row):                      # the prompt row (its columns: row["answer"], ...)
+            return [{"role": "user", "content": row["prompt"]}]
+        def step(self, assistant_text):            # the policy's turn, as text
+            return observation_messages_or_None, reward, done
+
+    episodes = run_episodes(engine, tokenizer, [MyEnv() for _ in rows], rows, max_new_tokens=512, max_turn_tokens=128)
+    episodes[i].tokens, episodes[i].mask, episodes[i].reward    # after the prompt: 1 = the policy's token, 0 = observation
+
+One episode: reset(row) gives the first messages, rendered with the checkpoint's own chat template (generation prompt
+on) -> the prompt. The policy decodes a turn until its EOS (the template's end of turn) or max_turn_tokens; step(text)
+answers with observation messages (a tool's result: {"role": "tool", "content": ...}), a reward and whether the
+episode is over. The observation is rendered by the same template and appended to the sequence with mask 0, and
+decoding goes on from the sequence's own KV cache (ppo_core.engine's on_turn_end); steps run in a thread pool, so a
+slow tool never stops the other episodes from decoding. An episode ends when step says done, returns no observation,
+reaches max_turns, or runs out of max_new_tokens (which counts observation tokens too); its last turn is then stepped
+too (its reward counts). The episode's reward is the sum of its steps' rewards.
+
+Incremental rendering is checked at every turn, on the text: the template's rendering of the whole conversation (with
+the new observation and the generation prompt) must begin with the text of everything the sequence holds (prompt,
+turns, earlier observations), and the tokens of the text added must be what encoding the whole conversation gives
+after that point. A template that rewrites earlier turns (e.g. one that drops the reasoning of past assistant turns)
+cannot be played incrementally: IncrementalRenderError, with the two texts where they part.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+
+class IncrementalRenderError(ValueError):
+    """The chat template renders an earlier part of the conversation differently once more is appended."""
+
+
+@dataclass
+class Episode:
+    row: dict
+    env: object
+    messages: list  # the conversation so far, as the template renders it
+    prompt_ids: list  # the first messages rendered, with the generation prompt
+    tokens: list = field(default_factory=list)  # after the prompt (filled at the end)
+    mask: list = field(default_factory=list)  # 1: the policy's token, 0: an observation's
+    reward: float = 0.0  # the sum of its steps' rewards
+    turns: int = 0  # turns the policy took (stepped)
+    stepped: int = 0  # tokens after the prompt that step() has seen (turns and observations)
+    done: bool = False
+    observation_tokens: int = 0
+
+
+def render(tokenizer, messages, tools):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools)
+
+
+def turn_text(tokenizer, turn_tokens, stop_ids):
+    """The assistant's text of one turn: its tokens decoded, without the end-of-turn token that closed it."""
+    if turn_tokens and turn_tokens[-1] in stop_ids:
+        turn_tokens = turn_tokens[:-1]
+    return tokenizer.decode(turn_tokens, skip_special_tokens=False)  # as the template will render it back
+
+
+def observation_ids(tokenizer, episode: Episode, held_ids, tools):
+    """The token ids of what the template adds after the sequence's `held_ids` (prompt + everything after it) once
+    the conversation holds the new observation: checked to be an incremental rendering (see the module docstring)."""
+    held_text = tokenizer.decode(held_ids, skip_special_tokens=False)
+    full_text = render(tokenizer, episode.messages, tools)
+    if not full_text.startswith(held_text):
+        at = next((i for i, (a, b) in enumerate(zip(held_text, full_text)) if a != b), min(len(held_text), len(full_text)))
+        raise IncrementalRenderError(
+            f"the chat template cannot be rendered turn by turn: after turn {episode.turns} the conversation renders as "
+            f"...{full_text[max(0, at - 40):at + 40]!r} where the sequence holds ...{held_text[max(0, at - 40):at + 40]!r}")
+    added = tokenizer.encode(full_text[len(held_text):])
+    whole = tokenizer.encode(full_text)
+    if whole[len(whole) - len(added):] != added:
+        raise IncrementalRenderError(f"the observation after turn {episode.turns} tokenizes differently alone than "
+                                     f"in the whole conversation (tokens merge across {full_text[len(held_text):][:40]!r})")
+    return added
+
+
+def run_episodes(engine, tokenizer, envs, rows, *, max_new_tokens, max_turn_tokens=None, tools=None, max_workers=8,
+                 **sampling):
+    """Play one episode per (env, row) on `engine` (a ppo_core.engine.RolloutEngine). max_new_tokens: each episode's
+    budget of tokens after its prompt (turns and observations); max_turn_tokens: one turn's at most; tools: the tool
+    schemas the chat template renders (None: none); sampling: RolloutEngine.generate's temperature, top_p, top_k,
+    greedy, seed, rows, return_logprobs. -> the Episodes, with (tokens, mask[, logprobs]) filled in, in order."""
+    stop_ids = list(tokenizer.eos_token_ids)
+    episodes = []
+    for env, row in zip(envs, rows):
+        messages = list(env.reset(row))
+        prompt_ids = tokenizer.encode(render(tokenizer, messages, tools))
+        episodes.append(Episode(row, env, messages, prompt_ids))
+
+    def step(episode, held_ids, turn_ids, last=False):
+        """The environment's answer to one turn -> observation ids, or None when the episode is over (last: the
+        budget has ended it, whatever step says)."""
+        text = turn_text(tokenizer, turn_ids, stop_ids)
+        episode.messages.append({"role": "assistant", "content": text})
+        observation, reward, done = episode.env.step(text)
+        episode.reward += float(reward)
+        episode.turns += 1
+        episode.stepped = len(held_ids) - len(episode.prompt_ids)
+        max_turns = getattr(episode.env, "max_turns", None)
+        if last or done or not observation or (max_turns is not None and episode.turns >= max_turns):
+            episode.done = True
+            return None
+        episode.messages.extend(observation)
+        ids = observation_ids(tokenizer, episode, held_ids, tools)
+        episode.stepped += len(ids)
+        episode.observation_tokens += len(ids)
+        return ids
+
+    with ThreadPoolExecutor(max_workers) as pool:
+        def on_turn_end(index, tokens):
+            episode = episodes[index]
+            return pool.submit(step, episode, episode.prompt_ids + tokens, tokens[episode.stepped :])
+
+        out = engine.generate([e.prompt_ids for e in episodes], max_new_tokens, eos_token_id=stop_ids,
+                              on_turn_end=on_turn_end, max_turn_tokens=max_turn_tokens, return_mask=True, **sampling)
+    tokens, masks = out[0], out[1]
+    for i, episode in enumerate(episodes):
+        episode.tokens, episode.mask = tokens[i], masks[i]
+        if not episode.done and len(episode.tokens) > episode.stepped:  # the budget ended its last turn: step it too
+            step(episode, episode.prompt_ids + episode.tokens, episode.tokens[episode.stepped :], last=True)
+    if sampling.get("return_logprobs"):
+        for episode, logprobs in zip(episodes, out[2]):
+            episode.logprobs = logprobs
+    return episodes
