@@ -105,7 +105,21 @@ class PPOConfig:
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt: a group, the unit of the critic-free estimators' baselines (GRPO uses 8-64)."""
     max_new_tokens: int = 12
-    """Longest response; a response that has not produced EOS by then is cut."""
+    """Longest response; a response that has not produced EOS by then is cut. With an environment: an episode's
+    budget of tokens after its prompt, the policy's turns and the observations together."""
+    environment: str = ""
+    """Multi-turn episodes (ppo_core.environments) instead of one response per prompt: 'tools' for the shipped
+    ToolEnvironment (the policy calls `tools` until it answers; the answer scored against the row's 'answer'
+    column), or 'file.py:Class' / 'module:Class' for your own class with reset(row) and step(text) (one instance per
+    episode, built with no arguments). The episodes' rewards are the scores: no reward_fn, reward_model, judge or
+    reward_url with it. Needs rollout_engine='paged' and a chat template in the policy's tokenizer."""
+    tools: str = "calculator,python"
+    """With environment='tools': the tools offered, comma-separated: 'calculator', 'python' (code run in the sandbox,
+    ppo_core.sandbox)."""
+    max_turns: int = 4
+    """With an environment: the policy's turns per episode at most (a class's own max_turns attribute wins)."""
+    max_turn_tokens: int = 0
+    """With an environment: the tokens one turn may sample at most (0 = up to what is left of max_new_tokens)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs for the ratio and KL are taken at the same temperature."""
     top_p: float = 1.0
@@ -443,6 +457,15 @@ def validate(cfg: PPOConfig):
     need(cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
     need(cfg.parallel in ("ddp", "fsdp"), "parallel", "must be ddp or fsdp")
     need(cfg.rollout_engine in ("paged", "padded"), "rollout_engine", "must be paged or padded")
+    if cfg.environment:
+        need(cfg.rollout_engine == "paged", "environment", "needs rollout_engine='paged' (episodes continue on the engine's cache)")
+        need(cfg.environment == "tools" or ":" in cfg.environment, "environment",
+             f"must be 'tools' or 'file.py:Class' / 'module:Class', got {cfg.environment!r}")
+        need(not (cfg.reward_fn or cfg.reward_model or cfg.judge or cfg.reward_url), "environment",
+             "scores episodes with the environment's rewards: drop reward_fn, reward_model, judge and reward_url")
+        need(not cfg.filter_groups, "environment", "does not combine with filter_groups yet")
+        need(cfg.max_turns >= 1, "max_turns", "must be >= 1")
+        need(cfg.max_turn_tokens >= 0, "max_turn_tokens", "must be >= 0 (0 = no limit but max_new_tokens)")
     need(cfg.rollout_kv_cache_gb >= 0, "rollout_kv_cache_gb", "must be >= 0 (0 = the default budget)")
     need(cfg.lora_rank >= 0, "lora_rank", "must be >= 0")
     need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")
@@ -513,8 +536,13 @@ def refuse_unread_settings(cfg: PPOConfig):
         unread("filter_groups_max_batches", "filter_groups", "no group filter")
     if cfg.micro_batch_tokens:
         unread("micro_batch_size", "micro_batch_tokens", "packed micro-batches are sized in tokens")
-    if not cfg.chat_template:
-        unread("enable_thinking", "chat_template", "only a chat template reads it")
+    if not cfg.environment:
+        for key in ("max_turns", "max_turn_tokens"):
+            unread(key, "environment", "one response per prompt, no turns")
+    if cfg.environment != "tools":
+        unread("tools", "environment", "only the shipped ToolEnvironment offers them")
+    if not cfg.chat_template and not cfg.environment:
+        unread("enable_thinking", "chat_template", "only a chat template reads it (or an environment's episodes)")
     if cfg.parallel == "ddp":
         unread("shard_frozen", "parallel", "only FSDP shards")
     if not cfg.reward_url:

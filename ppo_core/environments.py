@@ -23,10 +23,19 @@ Incremental rendering is checked at every turn, on the text: the template's rend
 the new observation and the generation prompt) must begin with the text of everything the sequence holds (prompt,
 turns, earlier observations), and the tokens of the text added must be what encoding the whole conversation gives
 after that point. A template that rewrites earlier turns (e.g. one that drops the reasoning of past assistant turns)
-cannot be played incrementally: IncrementalRenderError, with the two texts where they part.
+cannot be played incrementally: IncrementalRenderError, with the two texts where they part. Qwen3's template plays
+incrementally with thinking on (the policy writes its <think> block and the template re-renders the turns after the
+last user query with it); with enable_thinking=False its generation prompt holds an empty <think></think> that the
+re-rendered history drops, and the episode is refused (tests/test_environments.py shows both).
+
+Shipped: ToolEnvironment, which answers the policy's tool calls (ppo_core.tools: a calculator, a Python runner in the
+sandbox) until it answers without one, and scores that answer against a column of the row.
 """
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from .reward_functions import import_callable
+from .tools import Calculator, PythonTool, parse_tool_calls, run_tool_calls, tool_messages, tool_schemas
 
 
 class IncrementalRenderError(ValueError):
@@ -48,8 +57,10 @@ class Episode:
     observation_tokens: int = 0
 
 
-def render(tokenizer, messages, tools):
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools)
+def render(tokenizer, messages, tools, **template_kwargs):
+    """The conversation as the policy sees it next: the chat template, with the generation prompt."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools,
+                                         **template_kwargs)
 
 
 def turn_text(tokenizer, turn_tokens, stop_ids):
@@ -59,11 +70,11 @@ def turn_text(tokenizer, turn_tokens, stop_ids):
     return tokenizer.decode(turn_tokens, skip_special_tokens=False)  # as the template will render it back
 
 
-def observation_ids(tokenizer, episode: Episode, held_ids, tools):
+def observation_ids(tokenizer, episode: Episode, held_ids, tools, **template_kwargs):
     """The token ids of what the template adds after the sequence's `held_ids` (prompt + everything after it) once
     the conversation holds the new observation: checked to be an incremental rendering (see the module docstring)."""
     held_text = tokenizer.decode(held_ids, skip_special_tokens=False)
-    full_text = render(tokenizer, episode.messages, tools)
+    full_text = render(tokenizer, episode.messages, tools, **template_kwargs)
     if not full_text.startswith(held_text):
         at = next((i for i, (a, b) in enumerate(zip(held_text, full_text)) if a != b), min(len(held_text), len(full_text)))
         raise IncrementalRenderError(
@@ -77,17 +88,19 @@ def observation_ids(tokenizer, episode: Episode, held_ids, tools):
     return added
 
 
-def run_episodes(engine, tokenizer, envs, rows, *, max_new_tokens, max_turn_tokens=None, tools=None, max_workers=8,
-                 **sampling):
-    """Play one episode per (env, row) on `engine` (a ppo_core.engine.RolloutEngine). max_new_tokens: each episode's
+def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_turn_tokens=None, tools=None, max_workers=8,
+                 template_kwargs=None, **sampling):
+    """Play one episode per (env, prompt row) on `engine` (a ppo_core.engine.RolloutEngine). max_new_tokens: each episode's
     budget of tokens after its prompt (turns and observations); max_turn_tokens: one turn's at most; tools: the tool
-    schemas the chat template renders (None: none); sampling: RolloutEngine.generate's temperature, top_p, top_k,
-    greedy, seed, rows, return_logprobs. -> the Episodes, with (tokens, mask[, logprobs]) filled in, in order."""
+    schemas the chat template renders (None: none); template_kwargs: the template's own switches (Qwen3's
+    enable_thinking); sampling: RolloutEngine.generate's temperature, top_p, top_k,
+    greedy, seed, rows (the noise rows), return_logprobs, return_entropy. -> the Episodes, with (tokens, mask[, logprobs]) filled in, in order."""
     stop_ids = list(tokenizer.eos_token_ids)
+    template_kwargs = template_kwargs or {}
     episodes = []
-    for env, row in zip(envs, rows):
+    for env, row in zip(envs, prompt_rows):
         messages = list(env.reset(row))
-        prompt_ids = tokenizer.encode(render(tokenizer, messages, tools))
+        prompt_ids = tokenizer.encode(render(tokenizer, messages, tools, **template_kwargs))
         episodes.append(Episode(row, env, messages, prompt_ids))
 
     def step(episode, held_ids, turn_ids, last=False):
@@ -104,7 +117,7 @@ def run_episodes(engine, tokenizer, envs, rows, *, max_new_tokens, max_turn_toke
             episode.done = True
             return None
         episode.messages.extend(observation)
-        ids = observation_ids(tokenizer, episode, held_ids, tools)
+        ids = observation_ids(tokenizer, episode, held_ids, tools, **template_kwargs)
         episode.stepped += len(ids)
         episode.observation_tokens += len(ids)
         return ids
@@ -122,6 +135,62 @@ def run_episodes(engine, tokenizer, envs, rows, *, max_new_tokens, max_turn_toke
         if not episode.done and len(episode.tokens) > episode.stepped:  # the budget ended its last turn: step it too
             step(episode, episode.prompt_ids + episode.tokens, episode.tokens[episode.stepped :], last=True)
     if sampling.get("return_logprobs"):
-        for episode, logprobs in zip(episodes, out[2]):
-            episode.logprobs = logprobs
+        for k, episode in enumerate(episodes):
+            episode.logprobs = out[2][k]
+            episode.entropy = out[3][k] if sampling.get("return_entropy") else None
     return episodes
+
+
+class ToolEnvironment:
+    """Tools until an answer: each turn's <tool_call> blocks are run (ppo_core.tools.run_tool_calls) and their outputs
+    come back as `tool` messages (reward 0); a turn without a tool call is the answer, scored 1.0 when, stripped, it
+    equals str(row[answer_column]) stripped, else 0.0, and the episode ends. tools: {name: tool}; pass
+    ppo_core.tools.tool_schemas(tools.values()) to run_episodes' `tools` so the template shows them to the policy.
+    `counts` sums run_tool_calls' counts over the episode (tool calls, malformed calls, tool errors)."""
+
+    def __init__(self, tools: dict, max_turns=4, answer_column="answer", system_prompt=None):
+        self.tools, self.max_turns = tools, max_turns
+        self.answer_column, self.system_prompt = answer_column, system_prompt
+        self.counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0}
+
+    def reset(self, row):
+        self.row = row
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, assistant_text):
+        if parse_tool_calls(assistant_text):
+            observations, counts = run_tool_calls(assistant_text, self.tools)
+            for key, n in counts.items():
+                self.counts[key] += n
+            return tool_messages(observations), 0.0, False
+        answer = assistant_text.strip()
+        return None, float(answer == str(self.row[self.answer_column]).strip()), True
+
+
+def make_tools(names: str) -> dict:
+    """'calculator,python' -> {name: tool} (ppo_core.tools)."""
+    known = {"calculator": Calculator, "python": PythonTool}
+    tools = {}
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name not in known:
+            raise ValueError(f"unknown tool {name!r} (the tools: {', '.join(known)})")
+        tools[name] = known[name]()
+    return tools
+
+
+def make_environment(spec: str, tools: str = "calculator,python", max_turns: int = 4):
+    """-> (a function that builds one environment, the tool schemas its chat template shows, or None). spec: 'tools',
+    the shipped ToolEnvironment over `tools`; 'file.py:Class' or 'module:Class', a user's class built with no
+    arguments, given max_turns where it sets none."""
+    if spec == "tools":
+        offered = make_tools(tools)
+        return (lambda: ToolEnvironment(offered, max_turns=max_turns)), tool_schemas(offered.values())
+    cls = import_callable(spec)
+
+    def build():
+        env = cls()
+        if getattr(env, "max_turns", None) is None:
+            env.max_turns = max_turns
+        return env
+    return build, getattr(cls, "tools", None)

@@ -21,6 +21,7 @@ B sequences, prompts left-padded to P, responses right-padded to R; `response_ma
 policy produced.
 """
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from . import algo, lora
 from . import distributed as dist
 from .config import rollout_rows
 from .engine import RolloutEngine
+from .environments import make_environment, render, run_episodes
 from .generate import generate
 from .packing import pack_rows, token_budget_micro_batches, unpack_rows
 from .prompts import columns_of, prompt_text
@@ -136,6 +138,10 @@ def prompt_token_ids(tokenizer, prompt, cfg):
     if isinstance(prompt, dict) and "messages" in prompt:
         return tokenizer.encode(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False,
                                                               enable_thinking=cfg.enable_thinking))
+    if cfg is not None and cfg.environment:  # an episode's first messages, as its environment gives them
+        build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns)
+        row = prompt if isinstance(prompt, dict) else {"prompt": prompt}
+        return tokenizer.encode(render(tokenizer, list(build().reset(row)), tools, **episode_template_kwargs(cfg)))
     prompt = prompt["prompt"] if isinstance(prompt, dict) else prompt
     if cfg is not None and cfg.chat_template:
         return tokenizer.encode(render_prompt(tokenizer, prompt, cfg))
@@ -237,6 +243,8 @@ class Sampled:
     generate_s: float = 0.0  # seconds spent decoding them (the rest of the rollout: reward and scoring forwards)
     decode_logprobs: torch.Tensor | None = None  # [B, R] float32, the decoding pass's (cfg.old_logprobs_from_rollout)
     decode_entropy: torch.Tensor | None = None  # [B, R] float32, likewise
+    attended: torch.Tensor | None = None  # [B, R] bool: the response's real tokens, the policy's and observations'
+    # (multi-turn episodes, where response_mask is 0 on observations); None: response_mask's tokens
 
 
 @torch.no_grad()
@@ -244,6 +252,8 @@ def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generat
     """One response per row of `prompt_rows`, and its score from the reward source (under the policy passes'
     autocast). The reward sees the raw prompt text (not the chat rendering) and the rows' extra columns."""
     policy.eval()
+    if cfg.environment:
+        return play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows)
     t0 = time.perf_counter()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended, *decoded = sample_responses(
         policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast,
@@ -269,7 +279,8 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
     and entropy are the decoding pass's: no policy forward."""
     policy.eval()
     input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
-    attention_mask = torch.cat([sampled.prompt_mask, sampled.response_mask.bool()], dim=1)
+    attended = sampled.response_mask.bool() if sampled.attended is None else sampled.attended  # observations too
+    attention_mask = torch.cat([sampled.prompt_mask, attended], dim=1)
     host_mask = attention_mask.cpu()  # [B, P+R]: packing is planned on the host
     response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
     B, R = response_mask.shape
@@ -308,6 +319,61 @@ def scoring_micro_batches(host_mask, cfg):
     bins = [torch.tensor(b) for b in token_budget_micro_batches(list(range(B)), lengths, cfg.micro_batch_tokens)]
     extra = dist.all_reduce_max_int(len(bins)) - len(bins)
     return bins + [torch.zeros(1, dtype=torch.long)] * extra, len(bins)
+
+
+def episode_template_kwargs(cfg) -> dict:
+    """The chat template's switches for episodes: Qwen3's enable_thinking (templates without it ignore it)."""
+    return {"enable_thinking": cfg.enable_thinking}
+
+
+@torch.no_grad()
+def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows, greedy=False) -> Sampled:
+    """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.environments): one episode per row, played
+    on the rollout engine, scored by its environment's rewards. tokens [B, R]: everything after the prompt (the
+    policy's turns and the observations), response_mask 1 on the policy's tokens only, `attended` on all of them.
+    Metrics per row: env/turns, env/observation_tokens and, where the environment counts them (ToolEnvironment),
+    env/tool_calls, env/malformed_calls, env/tool_errors; samples.jsonl gets each conversation turn by turn."""
+    build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns)
+    device = next(policy.parameters()).device
+    t0 = time.perf_counter()
+    envs = [build() for _ in prompt_rows]
+    first = rows[0] if rows is not None else 0
+    seed = generator.initial_seed() if generator is not None else torch.initial_seed()
+    with dist.gathered(policy), autocast():
+        engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None)
+        episodes = run_episodes(engine, tokenizer, envs, prompt_rows, max_new_tokens=cfg.max_new_tokens,
+                                max_turn_tokens=cfg.max_turn_tokens or None, tools=tools,
+                                template_kwargs=episode_template_kwargs(cfg), temperature=cfg.temperature,
+                                top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy, seed=seed,
+                                rows=range(first, first + len(prompt_rows)),
+                                return_logprobs=cfg.old_logprobs_from_rollout,
+                                return_entropy=cfg.old_logprobs_from_rollout)
+    generate_s = time.perf_counter() - t0
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt_ids for e in episodes], device, pad_to, cfg)
+    R = cfg.max_new_tokens
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def rows_of(values, fill):  # [B, R] right-padded
+        return [list(v) + [fill] * (R - len(v)) for v in values]
+    tokens = torch.tensor(rows_of([e.tokens for e in episodes], pad), dtype=torch.long, device=device)
+    response_mask = torch.tensor(rows_of([e.mask for e in episodes], 0), dtype=torch.float32, device=device)
+    attended = torch.tensor(rows_of([[1] * len(e.tokens) for e in episodes], 0), dtype=torch.bool, device=device)
+    scores = torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
+    metrics = {"env/turns": [e.turns for e in episodes],
+               "env/observation_tokens": [e.observation_tokens for e in episodes]}
+    for key in ("tool_calls", "malformed_calls", "tool_errors"):
+        if all(hasattr(env, "counts") for env in envs):
+            metrics[f"env/{key}"] = [env.counts.get(key, 0) for env in envs]
+    metrics = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
+    texts = {"conversation": [json.dumps(e.messages, ensure_ascii=False) for e in episodes]}  # turn by turn
+    responses = [tokenizer.decode(e.tokens, skip_special_tokens=False) for e in episodes]
+    decoded = [None, None]
+    if cfg.old_logprobs_from_rollout:
+        decoded = [torch.tensor(rows_of([e.logprobs for e in episodes], 0.0), device=device),
+                   torch.tensor(rows_of([e.entropy for e in episodes], 0.0), device=device)]
+    ended = torch.tensor([e.done for e in episodes], device=device)
+    return Sampled(prompt_rows, [prompt_text(r) for r in prompt_rows], responses, prompt_ids, prompt_mask, tokens,
+                   response_mask, ended, scores, metrics, texts, generate_s, *decoded, attended=attended)
 
 
 def sample_rows(sampled: Sampled) -> list:
@@ -468,6 +534,10 @@ def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False,
     scores = []
     for rows in micro_batches(len(prompts), 256):
         batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.prompts)
+        if cfg.environment:  # the episodes' rewards
+            batch = [r if isinstance(r, dict) else {"prompt": r} for r in batch]
+            scores.append(play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None, greedy).scores)
+            continue
         *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
         with autocast():
             scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])

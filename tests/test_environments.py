@@ -2,6 +2,9 @@
 random policy over a real BPE tokenizer with a chat template. The conversation the sequence holds must be exactly the
 template's rendering of the messages (checked here against a rendering of the final conversation in one go), the
 observations masked 0, rewards summed, the turn and token limits kept; a template that rewrites history is refused."""
+import contextlib
+import json
+import subprocess
 import sys
 import time
 
@@ -120,3 +123,129 @@ def test_a_template_that_rewrites_history_is_refused(tmp_path):
     with pytest.raises(IncrementalRenderError, match="cannot be rendered turn by turn"):
         run_episodes(RolloutEngine(model), tokenizer, [Counter()], ROWS[:1], max_new_tokens=60, max_turn_tokens=6,
                      greedy=True)
+
+
+def test_tool_environment_answers_calls_then_scores_the_answer():
+    """The shipped ToolEnvironment with the real calculator: a call is answered with its result as a tool message, a
+    malformed call with an error (counted), and a turn without a call is the answer, scored against the row."""
+    from ppo_core.environments import ToolEnvironment
+    from ppo_core.tools import Calculator
+
+    env = ToolEnvironment({"calculator": Calculator()})
+    assert env.reset({"prompt": "what is 123*456?", "answer": 56088}) == [{"role": "user", "content": "what is 123*456?"}]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
+    assert env.step(call) == ([{"role": "tool", "content": "56088"}], 0.0, False)
+    observation, reward, done = env.step("<tool_call>\n{not json}\n</tool_call>")
+    assert observation[0]["content"].startswith("error: malformed tool call") and (reward, done) == (0.0, False)
+    assert env.step(" 56088\n") == (None, 1.0, True)
+    assert env.counts == {"tool_calls": 2, "malformed_calls": 1, "tool_errors": 0}
+    env.reset({"prompt": "again", "answer": "56088"})
+    assert env.step("56089") == (None, 0.0, True)
+
+
+COUNTER_FILE = '''
+class Counter:
+    max_turns = 3
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+    def step(self, text):
+        self.n = getattr(self, "n", 0) + 1
+        if self.n == 3:
+            return None, float(len(text) % 3), True
+        return [{"role": "tool", "content": f"turn {self.n}"}], 0.5, False
+'''
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random policy over the VERBATIM-template tokenizer, in the HF layout; prompt rows; an environment file."""
+    path = tmp_path_factory.mktemp("env-run")
+    write_tokenizer(path / "ckpt", SPECIAL, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+                                             "chat_template": VERBATIM})
+    policy(load_tokenizer(str(path / "ckpt")).vocab_size).save_pretrained(str(path / "ckpt"))
+    with open(path / "rows.jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": f"{100 + i}*{200 + i}", "answer": str((100 + i) * (200 + i))}) + "\n")
+    (path / "counter_env.py").write_text(COUNTER_FILE)
+    return path
+
+
+def test_rollout_forward_attends_to_observations_and_scores_only_the_policy_tokens(checkpoint):
+    """The scoring pass over episodes: the old log-probs of the policy's tokens are those of the model run over the
+    whole sequence (observations included, as context), 0 on the observations; padded and packed alike."""
+    from ppo_core.config import build_config
+    from ppo_core.model import load_model
+    from ppo_core.rollout import play_episodes, rollout_forward
+
+    tokenizer = load_tokenizer(str(checkpoint / "ckpt"))
+    model = load_model(str(checkpoint / "ckpt")).double().eval()
+    rows = [{"prompt": "12*34"}, {"prompt": "5*6"}]
+    for packed in (False, True):
+        batching = {"micro_batch_tokens": "64"} if packed else {"micro_batch_size": "2"}
+        cfg = build_config({}, {**batching, "environment": f"{checkpoint}/counter_env.py:Counter", "max_new_tokens": "48",
+                                "max_turn_tokens": "5", "rollout_batch_size": "2", "minibatch_size": "2",
+                                "adv_estimator": "grpo", "n_samples_per_prompt": "2", "fused_kernels": "false"})
+        sampled = play_episodes(model, tokenizer, rows, cfg, torch.Generator().manual_seed(0),
+                                contextlib.nullcontext, 0, (0, 2))
+        assert (sampled.response_mask.bool() != sampled.attended).any()  # observations: attended, not trained on
+        rollout = rollout_forward(model, model, None, sampled, torch.tensor([0, 0]), cfg, contextlib.nullcontext)
+        for i in range(2):
+            n, P = int(sampled.attended[i].sum()), sampled.prompt_ids.shape[1]
+            real = sampled.prompt_mask[i].sum().item()
+            ids = torch.cat([sampled.prompt_ids[i, P - real:], sampled.tokens[i, :n]])[None]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids)[0].double(), -1)  # [T, V], alone, unpadded
+            want = logp[real - 1 : real - 1 + n].gather(-1, sampled.tokens[i, :n, None])[:, 0]  # [n]
+            want = want * sampled.response_mask[i, :n]
+            torch.testing.assert_close(rollout.old_logprobs[i, :n].double(), want, rtol=0, atol=2e-6)  # float32 values
+            assert (rollout.old_logprobs[i, n:] == 0).all()
+
+
+def test_ppo_train_plays_a_users_environment_file(checkpoint):
+    """ppo-train with environment=FILE:Class, packed passes, GRPO: it trains, logs the episodes' metrics, and writes
+    each conversation turn by turn to samples.jsonl."""
+    out = checkpoint / "run"
+    proc = subprocess.run([sys.executable, "-m", "ppo_core.train", "--policy", str(checkpoint / "ckpt"),
+                           "--prompts_file", str(checkpoint / "rows.jsonl"),
+                           "--environment", f"{checkpoint / 'counter_env.py'}:Counter", "--iterations=2",
+                           "--rollout_batch_size=4", "--n_samples_per_prompt=2", "--adv_estimator=grpo",
+                           "--minibatch_size=8", "--micro_batch_tokens=96", "--max_new_tokens=40",
+                           "--max_turn_tokens=6", "--eval_size=4", "--log_samples_every=1", "--progress=false",
+                           f"--out={out}"], capture_output=True, text=True, timeout=300, cwd=checkpoint)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["env/turns"] >= 1 and m["env/observation_tokens"] > 0 for m in metrics)
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    conversation = json.loads(sample["conversation"])
+    assert conversation[0]["role"] == "user" and conversation[1]["role"] == "assistant"
+    assert conversation[2] == {"role": "tool", "content": "turn 1"}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3_template_plays_tool_turns_incrementally_with_thinking_on(tmp_path, thinking):
+    """Qwen3's own template (tests/test_tokenizer.py's copy): a turn that thinks, calls the calculator and ends; the
+    tool's answer is appended as the template renders it (a <tool_response> in a user turn, then the generation prompt).
+    With enable_thinking=False the generation prompt's empty <think></think> is dropped from the re-rendered history:
+    refused, loudly."""
+    from ppo_core.environments import Episode, observation_ids, render
+    from test_tokenizer import QWEN3_SPECIAL, QWEN3_TEMPLATE
+
+    tokenizer = load_tokenizer(write_tokenizer(tmp_path / "qwen3", QWEN3_SPECIAL, {
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": QWEN3_TEMPLATE}))
+    kwargs = {"enable_thinking": thinking}
+    messages = [{"role": "user", "content": "what is 12*34?"}]
+    prompt_ids = tokenizer.encode(render(tokenizer, messages, None, **kwargs))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+    turn = ("<think>\nI should use the tool.\n</think>\n\n" if thinking else "") + call
+    turn_ids = tokenizer.encode(turn + "<|im_end|>")
+    episode = Episode({}, None, messages + [{"role": "assistant", "content": turn}, {"role": "tool", "content": "408"}],
+                      prompt_ids, turns=1)
+    if not thinking:
+        with pytest.raises(IncrementalRenderError, match="cannot be rendered turn by turn"):
+            observation_ids(tokenizer, episode, prompt_ids + turn_ids, None, **kwargs)
+        return
+    added = observation_ids(tokenizer, episode, prompt_ids + turn_ids, None, **kwargs)
+    assert tokenizer.decode(added, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    whole = tokenizer.encode(render(tokenizer, episode.messages, None, **kwargs))
+    assert prompt_ids + turn_ids + added == whole
