@@ -31,6 +31,7 @@ re-rendered history drops, and the episode is refused (tests/test_environments.p
 Shipped: ToolEnvironment, which answers the policy's tool calls (ppo_core.tools: a calculator, a Python runner in the
 sandbox) until it answers without one, and scores that answer against a column of the row.
 """
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -146,12 +147,13 @@ class ToolEnvironment:
     come back as `tool` messages (reward 0); a turn without a tool call is the answer, scored 1.0 when, stripped, it
     equals str(row[answer_column]) stripped, else 0.0, and the episode ends. tools: {name: tool}; pass
     ppo_core.tools.tool_schemas(tools.values()) to run_episodes' `tools` so the template shows them to the policy.
-    `counts` sums run_tool_calls' counts over the episode (tool calls, malformed calls, tool errors)."""
+    `counts` sums run_tool_calls' counts over the episode (tool calls, malformed calls, tool errors) and the seconds its
+    tools ran (tool_s: the sandbox's, for the Python tool)."""
 
     def __init__(self, tools: dict, max_turns=4, answer_column="answer", system_prompt=None):
         self.tools, self.max_turns = tools, max_turns
         self.answer_column, self.system_prompt = answer_column, system_prompt
-        self.counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0}
+        self.counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0, "tool_s": 0.0}
 
     def reset(self, row):
         self.row = row
@@ -160,7 +162,9 @@ class ToolEnvironment:
 
     def step(self, assistant_text):
         if parse_tool_calls(assistant_text):
+            start = time.perf_counter()
             observations, counts = run_tool_calls(assistant_text, self.tools)
+            self.counts["tool_s"] += time.perf_counter() - start
             for key, n in counts.items():
                 self.counts[key] += n
             return tool_messages(observations), 0.0, False

@@ -332,7 +332,8 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     on the rollout engine, scored by its environment's rewards. tokens [B, R]: everything after the prompt (the
     policy's turns and the observations), response_mask 1 on the policy's tokens only, `attended` on all of them.
     Metrics per row: env/turns, env/observation_tokens and, where the environment counts them (ToolEnvironment),
-    env/tool_calls, env/malformed_calls, env/tool_errors; samples.jsonl gets each conversation turn by turn."""
+    env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its tools ran: the sandbox's for
+    Python); samples.jsonl gets each conversation turn by turn."""
     build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns)
     device = next(policy.parameters()).device
     t0 = time.perf_counter()
@@ -361,7 +362,7 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     scores = torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
     metrics = {"env/turns": [e.turns for e in episodes],
                "env/observation_tokens": [e.observation_tokens for e in episodes]}
-    for key in ("tool_calls", "malformed_calls", "tool_errors"):
+    for key in ("tool_calls", "malformed_calls", "tool_errors", "tool_s"):
         if all(hasattr(env, "counts") for env in envs):
             metrics[f"env/{key}"] = [env.counts.get(key, 0) for env in envs]
     metrics = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}

@@ -4,6 +4,7 @@ template's rendering of the messages (checked here against a rendering of the fi
 observations masked 0, rewards summed, the turn and token limits kept; a template that rewrites history is refused."""
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -138,6 +139,7 @@ def test_tool_environment_answers_calls_then_scores_the_answer():
     observation, reward, done = env.step("<tool_call>\n{not json}\n</tool_call>")
     assert observation[0]["content"].startswith("error: malformed tool call") and (reward, done) == (0.0, False)
     assert env.step(" 56088\n") == (None, 1.0, True)
+    assert env.counts.pop("tool_s") > 0
     assert env.counts == {"tool_calls": 2, "malformed_calls": 1, "tool_errors": 0}
     env.reset({"prompt": "again", "answer": "56088"})
     assert env.step("56089") == (None, 0.0, True)
@@ -249,3 +251,16 @@ def test_qwen3_template_plays_tool_turns_incrementally_with_thinking_on(tmp_path
         "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     whole = tokenizer.encode(render(tokenizer, episode.messages, None, **kwargs))
     assert prompt_ids + turn_ids + added == whole
+
+
+def test_the_readme_environment_example_runs():
+    """The README's my_env.py, as printed there: a calculator call is answered, the right answer scores 1."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    code = readme.split("```python\n# my_env.py\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "README.md:my_env.py", "exec"), namespace)
+    env = namespace["Multiply"]()
+    assert env.reset({"prompt": "12*34", "answer": "408"})[0]["content"] == "What is 12*34? Use the calculator."
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+    assert env.step(call) == ([{"role": "tool", "content": "408"}], 0.0, False)
+    assert env.step("408") == (None, 1.0, True) and env.step("407") == (None, 0.0, True)
