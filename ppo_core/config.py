@@ -40,8 +40,9 @@ class PPOConfig:
     """Critic checkpoint (a *ForSequenceClassification or *ForCausalLM dir). Empty = the policy's backbone with a new zero scalar head."""
     task: str = "reverse"
     """Built-in task supplying prompts and reward when no prompts_file / reward_fn is given, and the demo policy when
-    no policy is: 'reverse' (reverse a word, partial credit) or 'arith' (multi-digit addition and subtraction, the
-    answer as '#### N', exact match)."""
+    no policy is: 'reverse' (reverse a word, partial credit), 'arith' (multi-digit addition and subtraction, the
+    answer as '#### N', exact match) or 'toolmul' (multiply two 3-digit numbers with the calculator tool: played as
+    episodes, environment='tools' unless set, the answer scored by exact match)."""
     reward_fn: list[str] = field(default_factory=list)
     """Python reward functions, each 'module:function' or 'path/file.py:function' (a TOML list, or comma-separated on
     the command line); empty = the task's reward. Each is called fn(prompts, responses, <column>=...) with the raw
@@ -403,6 +404,8 @@ def build_config(toml_values: dict | None = None, overrides: dict | None = None,
         values["reward_fn"] = [_expand_spec(spec) for spec in values["reward_fn"]]
     if "eval_reward_fn" in values:
         values["eval_reward_fn"] = _expand_spec(values["eval_reward_fn"])
+    if values.get("task") == "toolmul" and not values.get("environment"):
+        values["environment"] = "tools"  # the task is played with the calculator (ppo_core.tasks)
     cfg = PPOConfig(**values)
     validate(cfg)
     return cfg
@@ -471,7 +474,7 @@ def validate(cfg: PPOConfig):
     need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")
     need(cfg.lora_rank > 0 or cfg.lora_alpha == 0, "lora_alpha", "needs lora_rank > 0")
     need(not cfg.cpu_offload or cfg.parallel == "fsdp", "cpu_offload", "needs parallel='fsdp'")
-    need(cfg.task in ("reverse", "arith"), "task", "must be 'reverse' or 'arith' (the built-in tasks)")
+    need(cfg.task in ("reverse", "arith", "toolmul"), "task", "must be 'reverse', 'arith' or 'toolmul' (the built-in tasks)")
     rows = rollout_rows(cfg)
     need(cfg.minibatch_size <= rows, "minibatch_size", f"must be <= rollout_batch_size * n_samples_per_prompt ({rows})")
     need(rows % cfg.minibatch_size == 0, "rollout_batch_size", f"times n_samples_per_prompt ({rows}) must be a multiple of minibatch_size ({cfg.minibatch_size})")

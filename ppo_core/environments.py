@@ -142,6 +142,17 @@ def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_tu
     return episodes
 
 
+class EpisodeRewards:
+    """The run's reward source when an environment scores its episodes (ppo_core.reward_source): nothing to check,
+    nothing to call (ppo_core.rollout.play_episodes takes the episodes' rewards)."""
+
+    def check_columns(self, names):
+        """The environment reads the columns itself."""
+
+    def __call__(self, prompts, responses, columns=None):
+        raise RuntimeError("episodes are scored by their environment (ppo_core.rollout.play_episodes)")
+
+
 class ToolEnvironment:
     """Tools until an answer: each turn's <tool_call> blocks are run (ppo_core.tools.run_tool_calls) and their outputs
     come back as `tool` messages (reward 0); a turn without a tool call is the answer, scored 1.0 when, stripped, it

@@ -158,3 +158,72 @@ class PromptStream:
         for _ in range(state["drawn"]):
             random_prompt(self._rng, self.task)
             self.drawn += 1
+
+
+# ---------------------------------------------------------------------------------------- toolmul
+# Multiply two 3-digit numbers: too hard for the demo's 0.2M-parameter model, easy with the calculator tool
+# (ppo_core.tools.Calculator) played by ppo_core.environments.ToolEnvironment, which scores the final answer against
+# the row's "answer" column by exact match. Its rows are {"prompt": "123*456", "answer": "56088"}: a task of rows,
+# not of prompt strings, so it has its own held-out set and stream beside eval_prompts and PromptStream.
+# Its shipped SFT checkpoint (`scripts/make_tool_checkpoint.py`) calls the tool only some of the time.
+
+TOOLMUL_MIN, TOOLMUL_MAX = 100, 999
+_TOOLMUL_PROMPT = re.compile(r"(\d+)\*(\d+)")
+
+
+def toolmul_row(prompt: str) -> dict:
+    """The row of a toolmul prompt: toolmul_row("123*456") == {"prompt": "123*456", "answer": "56088"}. ValueError
+    for any other text."""
+    m = _TOOLMUL_PROMPT.fullmatch(prompt.strip())
+    if m is None:
+        raise ValueError(f"not a toolmul prompt (digits, '*', digits): {prompt!r}")
+    return {"prompt": prompt, "answer": str(int(m.group(1)) * int(m.group(2)))}
+
+
+def random_toolmul_row(rng: random.Random) -> dict:
+    """A row of two operands drawn uniformly from TOOLMUL_MIN..TOOLMUL_MAX: {"prompt": "123*456", "answer": "56088"}."""
+    return toolmul_row(f"{rng.randint(TOOLMUL_MIN, TOOLMUL_MAX)}*{rng.randint(TOOLMUL_MIN, TOOLMUL_MAX)}")
+
+
+def toolmul_rows(n: int, seed: int) -> list[dict]:
+    """A fixed held-out set of `n` rows with distinct prompts, as eval_prompts is for the prompt tasks (its own
+    random stream, so a seed's toolmul rows share nothing with its reverse or arith prompts)."""
+    rng = random.Random(f"eval-toolmul-{seed}")
+    rows, seen = [], set()
+    while len(rows) < n:
+        row = random_toolmul_row(rng)
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+    return rows
+
+
+class ToolmulStream:
+    """An endless, seeded stream of training rows of toolmul that skips the held-out prompts: PromptStream for a task
+    of rows (next_batch returns dicts), with the same state_dict, so a resumed run draws the same next rows."""
+
+    def __init__(self, seed: int, held_out: list[str]):
+        self.seed = seed
+        self.held_out = set(held_out)
+        self.drawn = 0
+        self._rng = random.Random(f"train-toolmul-{seed}")
+
+    def next_batch(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            row = random_toolmul_row(self._rng)
+            self.drawn += 1
+            if row["prompt"] not in self.held_out:
+                out.append(row)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict):
+        self.seed = state["seed"]
+        self._rng = random.Random(f"train-toolmul-{self.seed}")
+        self.drawn = 0
+        for _ in range(state["drawn"]):
+            random_toolmul_row(self._rng)
+            self.drawn += 1

@@ -50,12 +50,13 @@ from .reward_source import make_reward_source
 from .rewards import RewardError
 from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, sample_rows,
                       with_reference_responses)
-from .tasks import PromptStream, eval_prompts
+from .tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .tokenizer import UnknownTextError, load_tokenizer
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
-DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT, "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo")}
+DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT, "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo"),
+                    "toolmul": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "tool-demo")}
 
 
 def run(cfg: PPOConfig, resume_from=None):
@@ -223,6 +224,9 @@ def prompt_rows(cfg: PPOConfig):
     """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat "messages" and any
     extra columns (ppo_core.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
     eval_prompts_file is given), or the built-in task's seeded prompt stream and held-out set."""
+    if not cfg.prompts_file and cfg.task == "toolmul":  # a task of rows: prompt and answer
+        held_out = toolmul_rows(cfg.eval_size, cfg.seed)
+        return [], held_out, ToolmulStream(cfg.seed, [r["prompt"] for r in held_out])
     if not cfg.prompts_file:
         held_out = [{"prompt": p} for p in eval_prompts(cfg.eval_size, cfg.seed, cfg.task)]
         return [], held_out, PromptStream(cfg.seed, [r["prompt"] for r in held_out], cfg.task)

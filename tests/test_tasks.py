@@ -107,3 +107,27 @@ def test_unknown_task():
 
     with pytest.raises(ValueError, match="unknown task"):
         random_prompt(random.Random(0), "sort")
+
+
+# ---------------------------------------------------------------------------------------- toolmul
+
+def test_toolmul_rows_are_products_held_out_and_streamed_apart():
+    from ppo_core.tasks import ToolmulStream, toolmul_row, toolmul_rows
+
+    assert toolmul_row("123*456") == {"prompt": "123*456", "answer": "56088"}  # 123 * 456 = 56088, by hand
+    with pytest.raises(ValueError):
+        toolmul_row("123+456")
+    held_out = toolmul_rows(64, seed=0)
+    assert held_out == toolmul_rows(64, seed=0) and held_out[:8] == toolmul_rows(8, seed=0)
+    assert len({r["prompt"] for r in held_out}) == 64
+    for row in held_out:
+        a, b = map(int, row["prompt"].split("*"))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and row["answer"] == str(a * b)
+    stream = ToolmulStream(0, [r["prompt"] for r in held_out])
+    first = stream.next_batch(200)
+    assert not {r["prompt"] for r in first} & {r["prompt"] for r in held_out}
+    state = stream.state_dict()
+    more = stream.next_batch(5)
+    resumed = ToolmulStream(0, [r["prompt"] for r in held_out])
+    resumed.load_state_dict(state)
+    assert resumed.next_batch(5) == more
