@@ -3,14 +3,15 @@
     python bench/agents.py                 # 32 episodes, SmolLM2-135M shape with random weights, 2 threads (~2 min)
     python bench/agents.py --quick         # a 2-layer model, 8 episodes
 
-Each episode (ppo_core.environments.run_episodes) is a prompt of 32 random tokens, then turns of --turn-tokens sampled
-tokens, each answered by a tool that sleeps --tool-ms before returning a 12-token observation, for --turns turns. The
-tools run in run_episodes' thread pool; a sequence waiting on its tool leaves the batch, keeping its cache, and
-the others go on decoding. The table gives, per tool latency, the engine's busy fraction (the share of the call's
-wall time spent in decode/prefill steps rather than waiting with nothing to compute: engine.stats['busy_fraction']),
-the wall time, sampled tokens per second, and the time a strictly turn-by-turn loop would take (the same decoding,
-then every tool's sleep one turn after another: decode seconds + turns x tool latency), which is what overlapping
-the tools with decoding saves.
+Each episode (what ppo_core.environments.run_episodes wires up, here straight on the engine's on_turn_end) is a
+prompt of 32 random tokens, then turns of --turn-tokens sampled tokens, each answered by a tool that sleeps before
+returning a 12-token observation, for --turns turns. Tools are slow unevenly, as real ones are: episode i's sleeps
+--tool-ms x (0.25 + 1.5 i / (n - 1)) (the mean is --tool-ms, the slowest 1.75x). The tools run in a thread pool; a
+sequence waiting on its tool leaves the batch, keeping its cache, and the others go on decoding. The table gives, per
+mean tool latency, the engine's busy fraction (the share of the call's wall time spent in decode/prefill steps rather
+than waiting with nothing to compute: engine.stats['busy_fraction']), the wall time, sampled tokens per second, and
+what a loop in rounds would take (every episode decodes its turn, then all tools run at once and the round waits for
+the slowest: decode seconds + turns x the slowest latency), which is what overlapping tools with decoding saves.
 """
 import argparse
 import os
@@ -44,7 +45,7 @@ def play(engine, prompts, turns, turn_tokens, tool_s, pool):
     seen = {}
 
     def tool(index):
-        time.sleep(tool_s)
+        time.sleep(tool_s * (0.25 + 1.5 * index / max(1, len(prompts) - 1)))
         return list(range(100, 112))
 
     def on_turn_end(index, tokens):
@@ -80,12 +81,12 @@ def main():
         print(f"\n--agents: {episodes} episodes x {args.turns} tool calls, turns of {args.turn_tokens} tokens, "
               f"12-token observations, {'2-layer ' if args.quick else ''}SmolLM2-135M shape, float32, {args.threads} "
               f"threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-        print("| tool latency ms | busy fraction | wall s | sampled tok/s | turn-by-turn s (decode + tools in series) |")
+        print("| mean tool latency ms | busy fraction | wall s | sampled tok/s | in rounds s, computed: decode + slowest tool per round |")
         print("|---:|---:|---:|---:|---:|")
         for ms in (float(x) for x in args.tool_ms.split(",")):
             wall, sampled, stats = play(engine, prompts, args.turns, args.turn_tokens, ms / 1000, pool)
             decode_s = wall * stats["busy_fraction"]
-            serial = decode_s + args.turns * ms / 1000
+            serial = decode_s + args.turns * 1.75 * ms / 1000
             print(f"| {ms:.0f} | {stats['busy_fraction']:.3f} | {wall:.2f} | {sampled / wall:.1f} | {serial:.2f} |",
                   flush=True)
 
