@@ -361,6 +361,204 @@ def explained_variance(values, returns, mask):
         return 1.0 - masked_var(returns - values, mask).item() / var_returns
 
 
+# ---------------------------------------------------------------- off-policy corrections
+#
+# Rollouts sampled by stale weights (a rollout worker one update behind) or by another engine's numerics come from a
+# behaviour policy mu that is not the policy the update starts from. Three log-probs per response token y_t, [B, T]:
+#   behav_logp  log mu(y_t), recorded by the sampler
+#   old_logp    log pi_old(y_t), recomputed by the trainer with the weights the update starts from: the proximal policy
+#   logp        log pi_theta(y_t), the policy being optimised (with grad)
+# The PPO ratio stays pi_theta / pi_old, so the trust region is centred on pi_old; the correction is a detached
+# per-token weight built from k_t = pi_old(y_t) / mu(y_t). With mu == pi_old every k_t is exactly 1.
+
+OFF_POLICY_CORRECTIONS = ("tis", "decoupled", "icepop")
+MASK_LEVELS = ("token", "sequence")
+
+
+def _behaviour_gap_stats(old_logp, behav_logp, ratio, mask):
+    """The behaviour/old mismatch over real tokens, as 0-dim tensors: mean and max of k_t = pi_old / mu (ratio, [B, T])
+    and of |log pi_old - log mu|; a max is 0 when there is no real token. Masked positions may hold inf or NaN."""
+    real = mask > 0  # [B, T] bool
+    gap = torch.where(real, (old_logp - behav_logp).abs(), 0.0)  # [B, T] |log pi_old - log mu|
+    ratio = torch.where(real, ratio, 0.0)  # [B, T]
+    return {"behav_ratio_mean": masked_mean(ratio, mask), "behav_ratio_max": ratio.max(),
+            "behav_gap_mean": masked_mean(gap, mask), "behav_gap_max": gap.max()}
+
+
+@torch.no_grad()
+def truncated_importance_weights(old_logp, behav_logp, mask, cap):
+    """Truncated importance sampling (TIS) weights w_t = min(pi_old(y_t) / mu(y_t), C), detached.
+
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS: the PPO loss of each
+    token times min(pi_trainer_old / pi_sampler, C)); the same truncation as IMPALA's V-trace weights
+    rho_t = min(rho_bar, pi / mu) (Espeholt et al. 2018, arXiv:1802.01561). Truncation bounds the weight's variance at
+    the price of a bias on tokens that mu under-samples by more than a factor C.
+
+    old_logp: [B, T] log pi_old (recomputed by the trainer); behav_logp: [B, T] log mu (recorded by the sampler);
+    mask: [B, T]. cap: C >= 1 (a cap below 1 would down-weight on-policy tokens).
+    The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp, as in `policy_loss`.
+    Returns (weights [B, T], 0 on masked tokens; stats: dict of 0-dim tensors over real tokens):
+      truncated_frac    fraction of real tokens with k_t > C strictly (at k_t == C the min changes nothing)
+      behav_ratio_mean  mean of k_t = pi_old / mu;  behav_ratio_max: its max (0 if there is no real token)
+      behav_gap_mean    mean of |log pi_old - log mu|;  behav_gap_max: its max (0 if there is no real token)
+    """
+    if cap is None or cap < 1:
+        raise ValueError(f"truncated_importance_weights: cap must be a number >= 1, got {cap}")
+    real = mask > 0  # [B, T] bool
+    log_ratio = torch.clamp(old_logp - behav_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log k_t
+    ratio = torch.exp(log_ratio)  # [B, T] k_t = pi_old / mu
+    # w_t = min(pi_old(y_t) / mu(y_t), C)
+    weights = torch.where(real, torch.clamp(ratio, max=cap), 0.0)
+    stats = {"truncated_frac": masked_mean((real & (ratio > cap)).to(ratio.dtype), mask),
+             **_behaviour_gap_stats(old_logp, behav_logp, ratio, mask)}
+    return weights, stats
+
+
+@torch.no_grad()
+def decoupled_importance_weights(old_logp, behav_logp, mask, cap=None):
+    """The behaviour importance weight of AReaL's decoupled PPO objective, w_t = pi_prox(y_t) / mu(y_t), detached,
+    with pi_old as the proximal policy pi_prox (Fu et al. 2025, arXiv:2505.24298; see `policy_loss_off_policy`).
+
+    old_logp: [B, T] log pi_old = log pi_prox; behav_logp: [B, T] log mu; mask: [B, T].
+    cap: None (no bound, the paper's objective) or C >= 1: tokens whose weight exceeds C are dropped (w_t = 0), as
+    AReaL's `behav_imp_weight_cap` does in its `ppo_actor_loss_fn` (later AReaL versions call this rejection sampling
+    with action "mask", beside a "clamp" action that is TIS's truncation); TIS truncates them to C instead.
+    Returns (weights [B, T], 0 on masked and dropped tokens; stats):
+      filtered_frac  fraction of real tokens dropped by the cap, k_t > C strictly (0 without a cap)
+      and the behav_* stats of `truncated_importance_weights`.
+    """
+    if cap is not None and cap < 1:
+        raise ValueError(f"decoupled_importance_weights: cap must be None or >= 1, got {cap}")
+    real = mask > 0  # [B, T] bool
+    log_ratio = torch.clamp(old_logp - behav_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log k_t
+    ratio = torch.exp(log_ratio)  # [B, T] k_t = pi_prox / mu
+    # keep_t = 1[k_t <= C]  (every token without a cap)
+    dropped = real & (ratio > cap) if cap is not None else torch.zeros_like(real)
+    # w_t = pi_prox(y_t) / mu(y_t) on kept tokens, 0 on dropped ones
+    weights = torch.where(real & ~dropped, ratio, 0.0)
+    stats = {"filtered_frac": masked_mean(dropped.to(ratio.dtype), mask),
+             **_behaviour_gap_stats(old_logp, behav_logp, ratio, mask)}
+    return weights, stats
+
+
+@torch.no_grad()
+def off_policy_mask(old_logp, behav_logp, mask, low, high, level="token"):
+    """IcePop-style masking: drop the tokens (or whole sequences) where pi_old and mu disagree beyond a band, rather
+    than clip their weight (IcePop: Ling Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for
+    Trillion-Scale Thinking Model" (Ring-1T), arXiv:2510.18855; its M(k; alpha, beta) = k for k in [alpha, beta],
+    0 outside, on k = pi_train(y_t; theta_old) / pi_infer(y_t; theta_old); the paper's band is [0.5, 5]).
+
+      token:     keep_t = 1[low <= k_t <= high],   k_t = pi_old(y_t) / mu(y_t)
+      sequence:  keep_t = 1[low <= kbar_i <= high] on every token of row i,
+                 kbar_i = exp(1/|y_i| sum_t log k_t), the row's geometric-mean ratio (the whole sequence in or out)
+
+    old_logp, behav_logp, mask: [B, T]. low <= 1 <= high, so that on-policy tokens (k = 1) are always kept; the band
+    is closed (a ratio exactly at low or high is kept); a symmetric band [1/k, k] is low=1/k, high=k.
+    Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (per token, or the row's mean) before exp.
+    Returns (new_mask [B, T] in mask's dtype: mask with the dropped tokens set to 0; stats, 0-dim tensors):
+      masked_frac      fraction of real tokens dropped
+      masked_seq_frac  fraction of non-empty rows left with no real token
+      and the behav_* stats of `truncated_importance_weights` (token-level k_t at either level).
+    To weight the kept tokens by k_t as IcePop does, use `policy_loss_off_policy(..., correction="icepop")`.
+    """
+    if not low <= 1 <= high:
+        raise ValueError(f"off_policy_mask: need low <= 1 <= high, got low={low}, high={high}")
+    if level not in MASK_LEVELS:
+        raise ValueError(f"off_policy_mask: level must be one of {MASK_LEVELS}, got {level!r}")
+    real = mask > 0  # [B, T] bool
+    token_log_ratio = torch.where(real, old_logp - behav_logp, 0.0)  # [B, T] log k_t, 0 where masked
+    ratio = torch.exp(torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T] k_t
+    if level == "token":
+        # keep_t = 1[low <= k_t <= high]
+        keep = (ratio >= low) & (ratio <= high)  # [B, T]
+    else:
+        # log kbar_i = 1/|y_i| sum_t log k_t
+        seq_log_ratio = torch.clamp(masked_mean(token_log_ratio, mask, dim=-1), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        seq_ratio = torch.exp(seq_log_ratio)  # [B] kbar_i
+        # keep_t = 1[low <= kbar_i <= high] for every t of row i
+        keep = ((seq_ratio >= low) & (seq_ratio <= high))[:, None].expand_as(real)  # [B, T]
+    kept = real & keep  # [B, T]
+    non_empty = real.any(-1)  # [B]
+    emptied = non_empty & ~kept.any(-1)  # [B] rows that had real tokens and lost them all
+    stats = {"masked_frac": masked_mean((real & ~keep).to(ratio.dtype), mask),
+             "masked_seq_frac": emptied.sum().to(ratio.dtype) / non_empty.sum().clamp(min=1),
+             **_behaviour_gap_stats(old_logp, behav_logp, ratio, mask)}
+    return kept.to(mask.dtype), stats
+
+
+def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correction="tis", cap=2.0, band=(0.5, 5.0),
+                           mask_level="token", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
+                           num_tokens=None, num_seqs=None, norm_const=None):
+    """The PPO clipped surrogate on tokens sampled by a behaviour policy mu != pi_old, each token's loss times a
+    detached off-policy weight w_t built from k_t = pi_old(y_t) / mu(y_t):
+
+      L_t = w_t max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),   r_t = pi_theta(y_t) / pi_old(y_t)
+
+    correction (chosen by a plain `if`; the weights come from the functions above):
+      "tis"        w_t = min(k_t, C)                         TIS, Yao et al. 2025 (`truncated_importance_weights`)
+      "decoupled"  w_t = k_t; with a cap C, 0 where k_t > C  AReaL, Fu et al. 2025 (`decoupled_importance_weights`)
+      "icepop"     w_t = k_t inside the band, 0 outside      IcePop, Ring-1T 2025 (`off_policy_mask`, at mask_level)
+                   (at mask_level="sequence" the row decides in or out, and a kept token's weight is still its own
+                   k_t; AReaL's sequence-level rejection sampling weights each token by the row's kbar_i instead)
+    AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System
+    for Language Reasoning", arXiv:2505.24298; the proximal policy comes from Hilton et al.
+    2021, arXiv:2110.00641):
+      J(theta) = E_{y ~ mu}[ sum_t pi_prox(y_t) / mu(y_t) min(u_t A_t, clip(u_t, 1 - eps, 1 + eps) A_t) ],
+      u_t = pi_theta(y_t) / pi_prox(y_t)
+    Here pi_prox is pi_old (the recomputed log-probs of the weights the update starts from, as AReaL's recomputed
+    `proximal_logprobs`), so TIS and the decoupled objective share this surrogate and differ only at the cap: TIS
+    truncates a large weight to C, AReaL drops the token. The trust region is always around pi_old, never mu.
+
+    logp: [B, T] log pi_theta (with grad); old_logp: [B, T] log pi_old; behav_logp: [B, T] log mu; advantages,
+    mask: [B, T]. cap: C for "tis" (>= 1) and "decoupled" (None or >= 1); band: (low, high) and mask_level ("token" |
+    "sequence") for "icepop" (see `off_policy_mask`; the default band is the Ring-1T paper's [0.5, 5]).
+    clip_low, clip_high, dual_clip: as in `policy_loss`; agg, num_tokens, num_seqs, norm_const: see `aggregate`.
+    Dropped tokens (w_t = 0) still count in the denominators of `aggregate`: they add a zero loss, as in AReaL's loss,
+    which divides by the token count before filtering (dividing by the kept count would scale the kept tokens'
+    gradients up by N / N_kept). With behav_logp == old_logp every k_t is exactly 1, and the loss, its gradient and
+    policy_loss's stats equal `policy_loss`'s bit for bit, for every correction.
+    Returns (loss: 0-dim, stats: dict of detached 0-dim tensors): policy_loss's stats (clipfrac, approx_kl, ratio_mean,
+    ratio_max_dev, and dual_clipfrac with dual_clip) and the correction's (truncated_frac, filtered_frac or
+    masked_frac / masked_seq_frac, with behav_ratio_mean, behav_ratio_max, behav_gap_mean, behav_gap_max).
+    """
+    if correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"policy_loss_off_policy: correction must be one of {OFF_POLICY_CORRECTIONS}, "
+                         f"got {correction!r}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"policy_loss_off_policy: dual_clip must be > 1 or None, got {dual_clip}")
+    if correction == "tis":
+        weights, correction_stats = truncated_importance_weights(old_logp, behav_logp, mask, cap)
+    elif correction == "decoupled":
+        weights, correction_stats = decoupled_importance_weights(old_logp, behav_logp, mask, cap)
+    else:  # icepop
+        keep, correction_stats = off_policy_mask(old_logp, behav_logp, mask, band[0], band[1], mask_level)
+        # M(k_t; low, high) = k_t on the kept tokens, 0 on the dropped ones
+        weights, _ = decoupled_importance_weights(old_logp, behav_logp, keep)
+    # the PPO clipped surrogate, exactly as in policy_loss (so that w_t = 1 reproduces it bit for bit)
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log r_t
+    ratio = torch.exp(log_ratio)
+    # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), a loss to minimise
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg_loss1, pg_loss2)
+    stats = {"clipfrac": masked_mean((pg_loss2 > pg_loss1).to(ratio.dtype), mask)}
+    if dual_clip is not None:
+        # for A < 0: L = min(L^CLIP, -A c) = min(L^CLIP, c |A|)
+        pg_loss3 = -advantages * dual_clip
+        negative = advantages < 0
+        stats["dual_clipfrac"] = masked_mean((negative & (pg_losses > pg_loss3)).to(ratio.dtype), mask)
+        pg_losses = torch.where(negative, torch.minimum(pg_losses, pg_loss3), pg_losses)
+    # L_t = w_t L^CLIP_t, with w_t detached: a constant of the objective, like A_t
+    loss = aggregate(pg_losses * weights, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    with torch.no_grad():
+        # KL(old || new) ~ E_old[(r - 1) - log r]  (k3, >= 0 per token)
+        stats["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask)
+        stats["ratio_mean"] = masked_mean(ratio, mask)
+        stats["ratio_max_dev"] = torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()
+    stats.update(correction_stats)
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
 # ---------------------------------------------------------------- rewards
 
 def per_token_rewards(scores, mask, *, kl=None, kl_coef=0.0, ended_with_eos=None, missing_eos_penalty=None):
