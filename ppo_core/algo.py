@@ -486,6 +486,20 @@ def off_policy_mask(old_logp, behav_logp, mask, low, high, level="token"):
     return kept.to(mask.dtype), stats
 
 
+def off_policy_weights(old_logp, behav_logp, mask, correction="tis", cap=2.0, band=(0.5, 5.0), mask_level="token"):
+    """The detached per-token weights w_t [B, T] of `correction` (see policy_loss_off_policy) and its stats."""
+    if correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"off_policy_weights: correction must be one of {OFF_POLICY_CORRECTIONS}, got {correction!r}")
+    if correction == "tis":
+        return truncated_importance_weights(old_logp, behav_logp, mask, cap)
+    if correction == "decoupled":
+        return decoupled_importance_weights(old_logp, behav_logp, mask, cap)
+    keep, stats = off_policy_mask(old_logp, behav_logp, mask, band[0], band[1], mask_level)  # icepop
+    # M(k_t; low, high) = k_t on the kept tokens, 0 on the dropped ones
+    weights, _ = decoupled_importance_weights(old_logp, behav_logp, keep)
+    return weights, stats
+
+
 def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correction="tis", cap=2.0, band=(0.5, 5.0),
                            mask_level="token", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
                            num_tokens=None, num_seqs=None, norm_const=None):
@@ -526,14 +540,7 @@ def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correct
                          f"got {correction!r}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"policy_loss_off_policy: dual_clip must be > 1 or None, got {dual_clip}")
-    if correction == "tis":
-        weights, correction_stats = truncated_importance_weights(old_logp, behav_logp, mask, cap)
-    elif correction == "decoupled":
-        weights, correction_stats = decoupled_importance_weights(old_logp, behav_logp, mask, cap)
-    else:  # icepop
-        keep, correction_stats = off_policy_mask(old_logp, behav_logp, mask, band[0], band[1], mask_level)
-        # M(k_t; low, high) = k_t on the kept tokens, 0 on the dropped ones
-        weights, _ = decoupled_importance_weights(old_logp, behav_logp, keep)
+    weights, correction_stats = off_policy_weights(old_logp, behav_logp, mask, correction, cap, band, mask_level)
     # the PPO clipped surrogate, exactly as in policy_loss (so that w_t = 1 reproduces it bit for bit)
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log r_t
     ratio = torch.exp(log_ratio)

@@ -277,6 +277,22 @@ class PPOConfig:
     policy over the sampled responses: one forward fewer per iteration, but the decode step's rounding (KV cache,
     one token at a time, packed or bf16 weights) differs from the training forward's, so the first minibatch's ratio
     is no longer exactly 1 (reported as policy/first_ratio_max_dev). False = recompute them exactly."""
+    off_policy_correction: str = "none"
+    """Correct the update for the sampler not being the policy the update starts from (its numerics: decoding runs
+    other kernels, bf16 weights, a KV cache; and stale weights, with rollout workers): the rollout records its own
+    log-probs (the behaviour policy mu) and each token's surrogate is weighted by a function of k = pi_old / mu
+    (ppo_core.algo's off-policy corrections; metrics off_policy/*): 'tis' (min(k, off_policy_cap), Yao et al. 2025),
+    'decoupled' (k, a token above off_policy_cap dropped: AReaL), 'icepop' (k inside [off_policy_band_low,
+    off_policy_band_high], else dropped, at off_policy_mask_level), 'none'. The ratio stays pi_theta / pi_old."""
+    off_policy_cap: float = 2.0
+    """With off_policy_correction 'tis' or 'decoupled': C, the largest weight (>= 1)."""
+    off_policy_band_low: float = 0.5
+    """With off_policy_correction='icepop': tokens with k = pi_old / mu below this are dropped (<= 1)."""
+    off_policy_band_high: float = 5.0
+    """With off_policy_correction='icepop': tokens with k above this are dropped (>= 1)."""
+    off_policy_mask_level: str = "token"
+    """With off_policy_correction='icepop': 'token' drops tokens, 'sequence' drops a whole response whose geometric-mean
+    k lies outside the band."""
     fused_kernels: bool = True
     """Use ppo_kernels' fused paths: LM head + log-probs for the old/reference log-probs, LM head + clipped loss
     for the update. False = the plain torch reference (full logits, log_softmax + gather, ppo_core.algo)."""
@@ -460,6 +476,16 @@ def validate(cfg: PPOConfig):
     need(cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
     need(cfg.parallel in ("ddp", "fsdp"), "parallel", "must be ddp or fsdp")
     need(cfg.rollout_engine in ("paged", "padded"), "rollout_engine", "must be paged or padded")
+    need(cfg.off_policy_correction in ("none", "tis", "decoupled", "icepop"), "off_policy_correction",
+         "must be none, tis, decoupled or icepop")
+    if cfg.off_policy_correction != "none":
+        need(not cfg.old_logprobs_from_rollout, "off_policy_correction", "compares the sampler's log-probs with the "
+             "recomputed old ones: it needs old_logprobs_from_rollout = false")
+        need(cfg.policy_loss_kind == "ppo", "off_policy_correction", "weights PPO's token-level surrogate (not GSPO's)")
+    need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
+    need(0 < cfg.off_policy_band_low <= 1 <= cfg.off_policy_band_high, "off_policy_band_low",
+         "and off_policy_band_high must satisfy 0 < low <= 1 <= high")
+    need(cfg.off_policy_mask_level in ("token", "sequence"), "off_policy_mask_level", "must be token or sequence")
     if cfg.environment:
         need(cfg.rollout_engine == "paged", "environment", "needs rollout_engine='paged' (episodes continue on the engine's cache)")
         need(cfg.environment == "tools" or ":" in cfg.environment, "environment",
@@ -539,6 +565,11 @@ def refuse_unread_settings(cfg: PPOConfig):
         unread("filter_groups_max_batches", "filter_groups", "no group filter")
     if cfg.micro_batch_tokens:
         unread("micro_batch_size", "micro_batch_tokens", "packed micro-batches are sized in tokens")
+    if cfg.off_policy_correction not in ("tis", "decoupled"):
+        unread("off_policy_cap", "off_policy_correction", "only tis and decoupled cap the weight")
+    if cfg.off_policy_correction != "icepop":
+        for key in ("off_policy_band_low", "off_policy_band_high", "off_policy_mask_level"):
+            unread(key, "off_policy_correction", "only icepop masks by a band")
     if not cfg.environment:
         for key in ("max_turns", "max_turn_tokens"):
             unread(key, "environment", "one response per prompt, no turns")

@@ -119,6 +119,7 @@ class Rollout:
     returns: torch.Tensor = None  # [B, R]
     sampled: "Sampled" = None  # what was sampled and scored: the rows, texts and reward components (for samples.jsonl)
     host_mask: torch.Tensor = None  # [B, P+R] bool on the CPU: attention_mask, read by the packed passes (ppo_core.packing)
+    behav_logprobs: torch.Tensor = None  # [B, R]: the sampler's own log-probs (cfg.off_policy_correction), 0 off the loss
 
 
 def render_prompt(tokenizer, prompt, cfg):
@@ -257,7 +258,7 @@ def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generat
     t0 = time.perf_counter()
     prompt_ids, prompt_mask, tokens, response_mask, responses, ended, *decoded = sample_responses(
         policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast,
-        decode_logprobs=cfg.old_logprobs_from_rollout)
+        decode_logprobs=records_decode_logprobs(cfg))
     decode_logprobs, decode_entropy = decoded[0] if decoded else (None, None)
     generate_s = time.perf_counter() - t0  # sample_responses ends with a host read of the tokens: nothing in flight
     texts = [prompt_text(r) for r in prompt_rows]
@@ -301,9 +302,12 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
         old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
         if v is not None:
             old_values[mb] = v.float()
+    behav_logprobs = None
+    if cfg.off_policy_correction != "none":  # the behaviour policy: what the sampler computed for its own tokens
+        behav_logprobs = sampled.decode_logprobs * response_mask
     return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
                    old_logprobs, ref_logprobs, old_values * response_mask, entropy, sampled.scores,
-                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask)
+                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask, behav_logprobs=behav_logprobs)
 
 
 def scoring_micro_batches(host_mask, cfg):
@@ -319,6 +323,12 @@ def scoring_micro_batches(host_mask, cfg):
     bins = [torch.tensor(b) for b in token_budget_micro_batches(list(range(B)), lengths, cfg.micro_batch_tokens)]
     extra = dist.all_reduce_max_int(len(bins)) - len(bins)
     return bins + [torch.zeros(1, dtype=torch.long)] * extra, len(bins)
+
+
+def records_decode_logprobs(cfg) -> bool:
+    """Whether sampling keeps its own log-probs: the old log-probs taken from decoding, or the behaviour policy of an
+    off-policy correction."""
+    return cfg.old_logprobs_from_rollout or cfg.off_policy_correction != "none"
 
 
 def episode_template_kwargs(cfg) -> dict:
@@ -347,8 +357,8 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
                                 template_kwargs=episode_template_kwargs(cfg), temperature=cfg.temperature,
                                 top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy, seed=seed,
                                 rows=range(first, first + len(prompt_rows)),
-                                return_logprobs=cfg.old_logprobs_from_rollout,
-                                return_entropy=cfg.old_logprobs_from_rollout)
+                                return_logprobs=records_decode_logprobs(cfg),
+                                return_entropy=records_decode_logprobs(cfg))
     generate_s = time.perf_counter() - t0
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt_ids for e in episodes], device, pad_to, cfg)
     R = cfg.max_new_tokens
@@ -369,7 +379,7 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     texts = {"conversation": [json.dumps(e.messages, ensure_ascii=False) for e in episodes]}  # turn by turn
     responses = [tokenizer.decode(e.tokens, skip_special_tokens=False) for e in episodes]
     decoded = [None, None]
-    if cfg.old_logprobs_from_rollout:
+    if records_decode_logprobs(cfg):
         decoded = [torch.tensor(rows_of([e.logprobs for e in episodes], 0.0), device=device),
                    torch.tensor(rows_of([e.entropy for e in episodes], 0.0), device=device)]
     ended = torch.tensor([e.done for e in episodes], device=device)

@@ -76,7 +76,8 @@ def lr_at(step, total_steps, cfg: PPOConfig):
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg, packed=None):
+def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg, packed=None,
+                     behav_logp=None):
     """The policy's minibatch loss on one micro-batch: the clipped surrogate (cfg.policy_loss_kind: PPO's token ratio
     or GSPO's sequence ratio), + kl_coef * KL to the reference when the KL is a loss term (cfg.kl_in_reward = False),
     - entropy_coef * entropy. Returns (loss to backward, pg_loss, kl_loss, stats).
@@ -85,15 +86,26 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
     states and the LM head tile by tile, never the [B*R, V] logits (GSPO, whose ratio spans a whole sequence, runs
     on ppo_kernels.linear_token_logprobs' fused log-probs and entropy, with their own backward); otherwise full
     logits, log_softmax + gather and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed
-    (ppo_core.packing); the heads see what they see padded."""
+    (ppo_core.packing); the heads see what they see padded.
+
+    behav_logp [B, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path runs
+    algo.policy_loss_off_policy; the fused kernel takes the weighted advantages w_t A_t, which is the same loss, since
+    w_t >= 0 is a constant: w max(-A r, -A clip(r)) = max(-(w A) r, -(w A) clip(r)), and the dual clip's -c A alike.
+    The KL term and the entropy bonus are not weighted."""
     labels = response_labels(ids, rm, P)
     kl_in_loss = not cfg.kl_in_reward
+    off_policy = dict(correction=cfg.off_policy_correction, cap=cfg.off_policy_cap,
+                      band=(cfg.off_policy_band_low, cfg.off_policy_band_high), mask_level=cfg.off_policy_mask_level)
+    off_weights, off_stats = None, {}
+    if behav_logp is not None:  # w_t from k_t = pi_old / mu (ppo_core.algo), [B, R] detached
+        off_weights, off_stats = algo.off_policy_weights(old_logp, behav_logp, rm, **off_policy)
     clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     want_entropy = cfg.entropy_coef != 0.0
 
     def fused_head(hidden, weight):
+        weighted = advantages if off_weights is None else advantages * off_weights  # w_t A_t
         return ppo_kernels.linear_policy_loss(
-            hidden, weight, labels, old_logp, advantages, rm, temperature=cfg.temperature, **clip,
+            hidden, weight, labels, old_logp, weighted, rm, temperature=cfg.temperature, **clip,
             dual_clip=cfg.dual_clip or None, **agg, ref_logp=ref_logp if kl_in_loss else None,
             kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
 
@@ -114,6 +126,9 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
         logp, entropy = response_head(policy, ids, am, P, logprob_head, packed)
         if cfg.policy_loss_kind == "gspo":
             loss, stats = algo.gspo_policy_loss(logp, old_logp, advantages, rm, **clip, num_seqs=agg["num_seqs"])
+        elif behav_logp is not None:
+            loss, stats = algo.policy_loss_off_policy(logp, old_logp, behav_logp, advantages, rm, **off_policy, **clip,
+                                                      dual_clip=cfg.dual_clip or None, **agg)
         else:
             loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, dual_clip=cfg.dual_clip or None, **agg)
         if want_entropy:
@@ -128,6 +143,9 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
         if not (cfg.fused_kernels and cfg.policy_loss_kind == "ppo"):
             loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
                                                    num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+    if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
+        stats["behav_gap"] = off_stats["behav_gap_mean"]
+        stats["corrected_frac"] = next(v for k, v in off_stats.items() if k.endswith("_frac") and k != "masked_seq_frac")
     # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
     pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
     return loss, pg_loss, kl_loss.detach(), stats
@@ -218,6 +236,8 @@ def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
             unused.append("policy/dual_clipfrac")
         if not cfg.entropy_coef:
             unused.append("policy/entropy")
+    if not train_policy or cfg.off_policy_correction == "none":
+        unused += ["off_policy/behav_gap_mean", "off_policy/corrected_frac"]
     if not has_critic:
         unused += [n for n in MB_STATS + ("value/grad_norm",) if n.startswith("value/")]
     return unused
@@ -259,7 +279,8 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
                 with autocast():
                     loss, pg_loss, kl_loss, pg_stats = policy_objective(
                         policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
-                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg, packed)
+                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg, packed,
+                        None if rollout.behav_logprobs is None else rollout.behav_logprobs[rows])
                 loss.backward()
             if first_ratio_dev is None:
                 first_ratio_dev = pg_stats["ratio_max_dev"].detach()
@@ -287,7 +308,7 @@ def every_process_rows(rollout: Rollout) -> Rollout:
         return rollout
     tensors = {name: dist.all_gather_rows(getattr(rollout, name))
                for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs", "old_values",
-                            "entropy", "advantages", "returns")}
+                            "entropy", "advantages", "returns", "behav_logprobs") if getattr(rollout, name) is not None}
     return dataclasses.replace(rollout, **tensors, host_mask=tensors["attention_mask"].cpu())
 
 
@@ -300,12 +321,14 @@ def _read_step_stats(sums, counts, ratio_devs):
 
 # the statistics summed over micro-batches and processes; the last ones are masked means times the token count
 MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/dual_clipfrac",
-            "policy/approx_kl", "policy/ratio_mean", "policy/entropy", "value/clipfrac", "value/values_mean")
-MB_STATS_PER_TOKEN = (False, False, False, True, True, True, True, True, True, True)
+            "policy/approx_kl", "policy/ratio_mean", "policy/entropy", "value/clipfrac", "value/values_mean",
+            "off_policy/behav_gap_mean", "off_policy/corrected_frac")
+MB_STATS_PER_TOKEN = (False, False, False, True, True, True, True, True, True, True, True, True)
 # their keys in policy_loss's / value_loss's stats
 _STAT_KEYS = {"policy/clipfrac": "clipfrac", "policy/dual_clipfrac": "dual_clipfrac", "policy/approx_kl": "approx_kl",
               "policy/ratio_mean": "ratio_mean", "policy/entropy": "entropy", "value/clipfrac": "clipfrac",
-              "value/values_mean": "values_mean"}
+              "value/values_mean": "values_mean", "off_policy/behav_gap_mean": "behav_gap",
+              "off_policy/corrected_frac": "corrected_frac"}
 
 
 def _append(stats, key, value):
