@@ -277,6 +277,13 @@ class PPOConfig:
     policy over the sampled responses: one forward fewer per iteration, but the decode step's rounding (KV cache,
     one token at a time, packed or bf16 weights) differs from the training forward's, so the first minibatch's ratio
     is no longer exactly 1 (reported as policy/first_ratio_max_dev). False = recompute them exactly."""
+    max_staleness: int = 0
+    """0: each iteration trains on a rollout its own starting weights sampled (the synchronous loop). 1: one-step
+    off-policy, as rollout workers one update behind sample: iteration i trains on the rollout sampled with the
+    weights iteration i-1 started from, and samples iteration i+1's with its own before updating (the first trains on
+    its own). In one process the two take turns: no overlap (that needs rollout workers, not built yet); the
+    checkpoint holds the rollout sampled but not yet trained on, so a resume is exact. Pair with
+    off_policy_correction. One process only, no filter_groups."""
     off_policy_correction: str = "none"
     """Correct the update for the sampler not being the policy the update starts from (its numerics: decoding runs
     other kernels, bf16 weights, a KV cache; and stale weights, with rollout workers): the rollout records its own
@@ -483,6 +490,9 @@ def validate(cfg: PPOConfig):
              "recomputed old ones: it needs old_logprobs_from_rollout = false")
         need(cfg.policy_loss_kind == "ppo", "off_policy_correction", "weights PPO's token-level surrogate (not GSPO's)")
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
+    need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
+    if cfg.max_staleness:
+        need(not cfg.filter_groups, "max_staleness", "does not combine with filter_groups yet")
     need(0 < cfg.off_policy_band_low <= 1 <= cfg.off_policy_band_high, "off_policy_band_low",
          "and off_policy_band_high must satisfy 0 < low <= 1 <= high")
     need(cfg.off_policy_mask_level in ("token", "sequence"), "off_policy_mask_level", "must be token or sequence")

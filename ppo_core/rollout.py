@@ -387,6 +387,33 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
                    response_mask, ended, scores, metrics, texts, generate_s, *decoded, attended=attended)
 
 
+_SAMPLED_TENSORS = ("prompt_ids", "prompt_mask", "tokens", "response_mask", "ended", "scores", "decode_logprobs",
+                    "decode_entropy", "attended")
+
+
+def sampled_state(sampled: Sampled, group, stats) -> dict:
+    """A sampled rollout not yet trained on (cfg.max_staleness) as plain JSON for the checkpoint: tensors as nested
+    lists with their dtype (float32 values round-trip exactly through Python floats), texts and rows as they are."""
+    def tensor(t):
+        return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."), "values": t.tolist()}
+    return {"rows": sampled.rows, "prompts": sampled.prompts, "responses": sampled.responses,
+            "tensors": {name: tensor(getattr(sampled, name)) for name in _SAMPLED_TENSORS},
+            "reward_metrics": {k: tensor(v) for k, v in sampled.reward_metrics.items()},
+            "reward_texts": sampled.reward_texts, "generate_s": sampled.generate_s, "group": tensor(group),
+            "stats": stats}
+
+
+def sampled_from_state(state: dict, device):
+    """sampled_state's inverse -> (Sampled, group, stats)."""
+    def tensor(t):
+        return None if t is None else torch.tensor(t["values"], dtype=getattr(torch, t["dtype"]), device=device)
+    tensors = {name: tensor(t) for name, t in state["tensors"].items()}
+    sampled = Sampled(state["rows"], state["prompts"], state["responses"],
+                      reward_metrics={k: tensor(v) for k, v in state["reward_metrics"].items()},
+                      reward_texts=state["reward_texts"], generate_s=state["generate_s"], **tensors)
+    return sampled, tensor(state["group"]).cpu(), state["stats"]
+
+
 def sample_rows(sampled: Sampled) -> list:
     """What samples.jsonl and the trackers' table show of each row: prompt, response, reward (the score), each reward
     component, and the row's extra columns."""
@@ -434,11 +461,14 @@ def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, auto
     return out
 
 
-def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast):
+def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast,
+                      sample_only=False):
     """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
     consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
     scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
-    -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"})."""
+    -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"}).
+    sample_only (cfg.max_staleness; no filter_groups): the rollout sampled and scored, not forwarded ->
+    (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train)."""
     rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
     rows_total = rollout_rows(cfg)
     b = rows_total // world
@@ -463,6 +493,8 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
         if not cfg.filter_groups:
             group = torch.arange(rows_total)[local] // n  # [b] the prompt's index in the global batch
             stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
+            if sample_only:
+                return sampled, group, stats
             return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
         everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
         varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)

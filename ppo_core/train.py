@@ -48,8 +48,8 @@ from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text
 from .remote_reward import RewardUnavailable
 from .reward_source import make_reward_source
 from .rewards import RewardError
-from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, sample_rows,
-                      with_reference_responses)
+from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, rollout_forward,
+                      sample_rows, sampled_from_state, sampled_state, with_reference_responses)
 from .tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .tokenizer import UnknownTextError, load_tokenizer
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
@@ -115,8 +115,12 @@ def run(cfg: PPOConfig, resume_from=None):
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
-                rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
-                                                                 reward_source, cfg, sample_gen, autocast)  # 1-3
+                if cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
+                    rollout, ended, filter_stats = stale_rollout(it, state, stream, policy, reference, critic,
+                                                                 tokenizer, reward_source, cfg, sample_gen, autocast)
+                else:
+                    rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
+                                                                     reward_source, cfg, sample_gen, autocast)  # 1-3
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
             t_train = time.perf_counter()
@@ -148,6 +152,22 @@ def run(cfg: PPOConfig, resume_from=None):
     return summary
 
 
+def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast):
+    """cfg.max_staleness = 1: iteration it trains on the rollout sampled (and scored) before the previous update, with
+    the weights iteration it-1 started from (the first iteration samples its own), and samples iteration it+1's now,
+    with its own starting weights, as a rollout worker one update behind would while it trains. The one sampled but
+    not yet trained on waits in state["pending_rollout"] (ppo_core.rollout.sampled_state), which the checkpoint
+    holds. -> what iteration_rollout returns; the old log-probs are recomputed with the current weights."""
+    device = next(policy.parameters()).device
+    args = (stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast)
+    pending = state.pop("pending_rollout", None)
+    sampled, group, stats = (sampled_from_state(pending, device) if pending is not None
+                             else iteration_rollout(it, *args, sample_only=True))
+    if it + 1 < cfg.iterations:
+        state["pending_rollout"] = sampled_state(*iteration_rollout(it + 1, *args, sample_only=True))
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, dict(stats)
+
+
 # ---------------------------------------------------------------------------- set-up
 
 def check_process_count(cfg: PPOConfig, world):
@@ -155,6 +175,9 @@ def check_process_count(cfg: PPOConfig, world):
     if rollout_rows(cfg) % world or cfg.minibatch_size % world:
         raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
                           f"multiples of the number of processes ({world})")
+    if cfg.max_staleness and world > 1:
+        raise ConfigError("config key 'max_staleness': one process only for now (its checkpoint holds one process's "
+                          "pending rollout)")
 
 
 def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
@@ -461,7 +484,9 @@ class Checkpoints:
                                                    "eval_before_greedy": state["eval_before_greedy"],
                                                    "last_kl": state["last_kl"], "elapsed_s": self.elapsed(),
                                                    **({"pending_metrics": state["pending_metrics"]}
-                                                      if "pending_metrics" in state else {})},
+                                                      if "pending_metrics" in state else {}),
+                                                   **({"pending_rollout": state["pending_rollout"]}
+                                                      if "pending_rollout" in state else {})},
                                             keep=self.cfg.keep_checkpoints)
 
     def close(self):
