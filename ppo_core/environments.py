@@ -31,6 +31,7 @@ re-rendered history drops, and the episode is refused (tests/test_environments.p
 Shipped: ToolEnvironment, which answers the policy's tool calls (ppo_core.tools: a calculator, a Python runner in the
 sandbox) until it answers without one, and scores that answer against a column of the row.
 """
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -194,10 +195,11 @@ def make_tools(names: str) -> dict:
     return tools
 
 
+@functools.lru_cache(maxsize=8)
 def make_environment(spec: str, tools: str = "calculator,python", max_turns: int = 4):
     """-> (a function that builds one environment, the tool schemas its chat template shows, or None). spec: 'tools',
     the shipped ToolEnvironment over `tools`; 'file.py:Class' or 'module:Class', a user's class built with no
-    arguments, given max_turns where it sets none."""
+    arguments, given max_turns where it sets none. Cached: a user's file is loaded once, not for every row."""
     if spec == "tools":
         offered = make_tools(tools)
         return (lambda: ToolEnvironment(offered, max_turns=max_turns)), tool_schemas(offered.values())
