@@ -277,6 +277,10 @@ class PPOConfig:
     policy over the sampled responses: one forward fewer per iteration, but the decode step's rounding (KV cache,
     one token at a time, packed or bf16 weights) differs from the training forward's, so the first minibatch's ratio
     is no longer exactly 1 (reported as policy/first_ratio_max_dev). False = recompute them exactly."""
+    rollout_ranks: int = 0
+    """Under torchrun: how many processes are rollout workers (ppo_core.rollout_worker: the last ones), sampling and
+    scoring while the others train; 0 = every process does both in turn. For now exactly one worker beside one
+    trainer (2 processes), no filter_groups, no LoRA, no pairwise judge. With max_staleness=1 the two overlap."""
     max_staleness: int = 0
     """0: each iteration trains on a rollout its own starting weights sampled (the synchronous loop). 1: one-step
     off-policy, as rollout workers one update behind sample: iteration i trains on the rollout sampled with the
@@ -491,6 +495,12 @@ def validate(cfg: PPOConfig):
         need(cfg.policy_loss_kind == "ppo", "off_policy_correction", "weights PPO's token-level surrogate (not GSPO's)")
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
     need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
+    need(cfg.rollout_ranks in (0, 1), "rollout_ranks", "must be 0 or 1 (one rollout worker beside one trainer, for now)")
+    if cfg.rollout_ranks:
+        need(not cfg.filter_groups, "rollout_ranks", "does not combine with filter_groups yet")
+        need(not cfg.lora_rank, "rollout_ranks", "does not combine with LoRA yet")
+        need(not (cfg.judge_mode == "pairwise" and (cfg.judge or cfg.reward_url)), "rollout_ranks",
+             "does not combine with a pairwise judge's reference samples yet")
     if cfg.max_staleness:
         need(not cfg.filter_groups, "max_staleness", "does not combine with filter_groups yet")
     need(0 < cfg.off_policy_band_low <= 1 <= cfg.off_policy_band_high, "off_policy_band_low",

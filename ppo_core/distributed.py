@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 
 _device = torch.device("cpu")  # the loop's device, set by init: where this module's own tensors live
+_group = None  # this process's role's group (split_roles): every helper below works within it; None = all processes
 
 
 def init(device_kind: str):
@@ -51,25 +52,52 @@ def init(device_kind: str):
     return rank, world, _device
 
 
+def split_roles(rollout_ranks: int) -> str:
+    """With rollout workers (config rollout_ranks): the last `rollout_ranks` processes roll out (ppo_core.rollout_worker)
+    and the others train, each role in a process group of its own, which every helper here then works within (a
+    trainer's world_size() counts the trainers). Every process calls it, once, after init. -> "train" or "rollout"."""
+    global _group
+    if not rollout_ranks or not dist.is_initialized():
+        return "train"
+    world = dist.get_world_size()
+    trainers, workers = list(range(world - rollout_ranks)), list(range(world - rollout_ranks, world))
+    groups = [dist.new_group(trainers), dist.new_group(workers)]  # every process creates every group, in this order
+    mine = 0 if dist.get_rank() in trainers else 1
+    _group = groups[mine]
+    return ("train", "rollout")[mine]
+
+
+def global_rank(role_rank: int, role: str, rollout_ranks: int) -> int:
+    """The rank in the whole job of a role's process `role_rank` (point-to-point messages between the roles)."""
+    return role_rank if role == "train" else dist.get_world_size() - rollout_ranks + role_rank
+
+
 def world_size():
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size(_group) if dist.is_initialized() else 1
 
 
 def rank():
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank(_group) if dist.is_initialized() else 0
+
+
+def broadcast_from_first(t: torch.Tensor) -> torch.Tensor:
+    """t as the role's first process has it, on every process of the role."""
+    if dist.is_initialized():
+        dist.broadcast(t, src=dist.get_global_rank(_group, 0) if _group is not None else 0, group=_group)
+    return t
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_group)
     return t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group)
     return t
 
 
@@ -77,7 +105,7 @@ def all_reduce_max_int(x: int) -> int:
     if not dist.is_initialized():
         return x
     t = torch.tensor([x], dtype=torch.long, device=_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group)
     return int(t.item())
 
 
@@ -85,8 +113,8 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Concatenate every process's [b, ...] tensor along dim 0, in rank order -> [world*b, ...]."""
     if not dist.is_initialized():
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    parts = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(parts, t.contiguous(), group=_group)
     return torch.cat(parts)
 
 
@@ -94,7 +122,7 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _sum_allreduce(_, bucket):
     """DDP comm hook: sum the bucket over processes (DDP's default divides by the world size)."""
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+    return dist.all_reduce(bucket.buffer(), group=_group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def replicate(model, device):
@@ -102,7 +130,8 @@ def replicate(model, device):
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  broadcast_buffers=False)  # the only buffers are RoPE tables, equal everywhere
+                                  broadcast_buffers=False,  # the only buffers are RoPE tables, equal everywhere
+                                  process_group=_group)
     ddp.register_comm_hook(None, _sum_allreduce)
     return ddp
 
@@ -192,7 +221,7 @@ def local_tensor(t):
 
 def barrier():
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_group)
 
 
 def shutdown():

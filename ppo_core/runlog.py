@@ -23,6 +23,7 @@ import tempfile
 import torch
 
 from . import checkpoint
+from . import distributed as dist
 from .config import PPOConfig, to_dict
 
 
@@ -31,7 +32,8 @@ class RunDirError(RuntimeError):
 
 
 def is_rank0():
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    """The first process of this role (the trainers': ppo_core.distributed.split_roles)."""
+    return dist.rank() == 0
 
 
 def _git_commit():
@@ -95,8 +97,7 @@ def default_run_path(cfg, policy_path, started: datetime.datetime) -> str:
 def _start_time() -> datetime.datetime:
     """Now, to the second, as rank 0 sees it: every process must name the same default run directory."""
     seconds = torch.tensor([int(datetime.datetime.now().timestamp())], dtype=torch.int64)  # CPU tensor: gloo
-    if torch.distributed.is_initialized():
-        torch.distributed.broadcast(seconds, src=0)
+    dist.broadcast_from_first(seconds)
     return datetime.datetime.fromtimestamp(int(seconds.item()))
 
 
@@ -242,8 +243,7 @@ class RunDir:
             })
             if replaced and os.path.exists(os.path.join(path, "metrics.jsonl")):
                 os.remove(os.path.join(path, "metrics.jsonl"))
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        dist.barrier()
         run_dir = cls(path, replaced, precision_changed)
         if is_rank0():
             checkpoint.clean_partial_saves(path)
@@ -263,8 +263,7 @@ class RunDir:
             return checkpoint.save_checkpoint(self.path, step, sharded=True, **kwargs)
         if is_rank0():
             out = checkpoint.save_checkpoint(self.path, step, **kwargs)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        dist.barrier()
         return out
 
     def write_summary(self, summary):

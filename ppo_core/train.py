@@ -40,7 +40,8 @@ import torch
 
 from . import algo, checkpoint, lora
 from . import distributed as dist
-from . import runlog, tracking
+from . import rollout_worker, runlog, tracking
+from .rollout_worker import RolloutClient
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
 from .model import CheckpointError, load_model, load_score_model
 from .precision import loss_paths, precision_line, resolve_precision
@@ -69,6 +70,9 @@ def run(cfg: PPOConfig, resume_from=None):
     precision = resolve_precision(cfg)
     autocast = precision.autocast
     rank, world, device = dist.init(precision.device)
+    if dist.split_roles(cfg.rollout_ranks) == "rollout":  # a rollout worker: it samples, the others train
+        return serve_rollouts(cfg, policy_path, device, precision)
+    world = dist.world_size()  # the trainers
 
     # Set up. Everything that can be wrong with the input is checked before the run directory is touched.
     check_process_count(cfg, world)
@@ -95,6 +99,7 @@ def run(cfg: PPOConfig, resume_from=None):
         return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy, autocast=autocast)
     ckpts = Checkpoints(cfg, run_dir, log, tracker, policy, critic, tokenizer, opts,
                         {"sample": sample_gen, "shuffle": shuffle_gen}, kl_ctl, stream)
+    workers = RolloutClient(cfg, policy, stream, log) if cfg.rollout_ranks else None
     state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
 
     if ckpt is not None:
@@ -109,13 +114,19 @@ def run(cfg: PPOConfig, resume_from=None):
                  f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - ckpts.t0:.1f}s]")
     if "pending_metrics" in state:  # the run stopped in iteration start_iter's evaluation (server down): finish it
         ckpts.finish_pending_iteration(start_iter, evaluate_policy)
+    if workers is not None:
+        workers.start(start_iter, state)
 
     with runlog.StopSignals() as stop:
         for it in log.iterations(cfg.iterations, start_iter):
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
-                if cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
+                if workers is not None:  # 1-3 on the rollout worker (ppo_core.rollout_worker)
+                    sampled, group, filter_stats = workers.rollout(it, state)
+                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast)
+                    ended = sampled.ended
+                elif cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
                     rollout, ended, filter_stats = stale_rollout(it, state, stream, policy, reference, critic,
                                                                  tokenizer, reward_source, cfg, sample_gen, autocast)
                 else:
@@ -126,6 +137,8 @@ def run(cfg: PPOConfig, resume_from=None):
             t_train = time.perf_counter()
             train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step,
                                      train_policy=it >= cfg.critic_warmup)  # 6
+            if workers is not None:  # the new weights to the worker (and, one update stale, its next rollout)
+                train_stats.update(workers.after_update(it, state))
             metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg,
                                         seconds=(t_roll, t_train, time.perf_counter()))
             state["last_kl"] = metrics["kl/mean"]
@@ -150,6 +163,17 @@ def run(cfg: PPOConfig, resume_from=None):
     log.close(), tracker.close()
     log.table(summary, cfg)
     return summary
+
+
+def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
+    """A rollout worker's whole run (config rollout_ranks): the models and the stream it samples with, then
+    ppo_core.rollout_worker.serve until the trainer's last iteration. It writes nothing: the trainer owns the run."""
+    tokenizer = load_tokenizer(policy_path)
+    _, _, stream = prompt_rows(cfg)
+    policy = load_model(policy_path, dtype=precision.param_dtype, device=device).eval()
+    reward_source = make_reward_source(cfg, device, precision.param_dtype)
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # reseeded per iteration by iteration_rollout
+    return rollout_worker.serve(cfg, policy, policy, tokenizer, stream, reward_source, sample_gen, precision.autocast)
 
 
 def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast):

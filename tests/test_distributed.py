@@ -212,3 +212,40 @@ def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(d / "fsdp", run_dir, step=2)
     assert_same_run(d / "one", run_dir, step=2)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_rollout_worker_run_is_the_one_process_run(tmp_path, staleness):
+    """rollout_ranks=1 under torchrun: process 1 samples and scores with weights sent from the trainer, process 0
+    trains. The worker samples what one process would (the same weights, the same noise), so the run equals the
+    one-process run with the same max_staleness byte for byte: the synchronous loop at 0, one-step off-policy at 1
+    (there the two roles overlap)."""
+    args = ARGS + ["--iterations=3", f"--max_staleness={staleness}"] + (
+        ["--off_policy_correction=tis"] if staleness else [])
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
+                    tmp_path)
+    assert double.returncode == 0, double.stderr[-3000:]
+    a, b = weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for m1, m2 in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        assert m1 == {k: v for k, v in m2.items() if k in m1}  # the worker run adds its own time/ keys only
+
+
+def test_a_rollout_worker_run_killed_mid_update_resumes_identically(tmp_path):
+    """max_staleness=1 with a worker: the trainer's checkpoint holds the rollout received and not yet trained on,
+    and the worker restarts from the trainer's weights and stream: the resumed run ends byte-identical."""
+    args = ARGS + ["--iterations=3", "--max_staleness=1", "--off_policy_correction=tis", "--rollout_ranks=1"]
+    whole = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'whole'}"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    run_dir = tmp_path / "run"
+    killed = launch(TORCHRUN + [str(driver), "update", "3", *args, f"--out={run_dir}"], tmp_path)
+    assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
+    resumed = launch(TORCHRUN + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = weights(tmp_path / "whole", 3), weights(run_dir, 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics(tmp_path / "whole") == metrics(run_dir)
