@@ -99,7 +99,8 @@ class RolloutClient:
         """Iteration it's rollout: in hand (max_staleness=1) or received now. -> (Sampled, group, stats)."""
         pending = state.pop("pending_rollout", None)
         waiting = time.perf_counter()
-        message = {"rollout": pending} if pending is not None else self.receive()
+        message = ({"rollout": pending, "worker_idle_s": state.pop("pending_worker_idle_s", 0.0)}
+                   if pending is not None else self.receive())
         sampled, group, stats = sampled_from_state(message["rollout"], self.device)
         stats = dict(stats, **{"time/trainer_wait_s": time.perf_counter() - waiting if pending is None else 0.0})
         if "worker_idle_s" in message:
@@ -121,6 +122,7 @@ class RolloutClient:
             for request in requests:
                 request.wait()
             state["pending_rollout"] = message["rollout"]
+            state["pending_worker_idle_s"] = message["worker_idle_s"]
             return {"time/weights_and_next_rollout_s": time.perf_counter() - sending, "time/trainer_wait_next_s": waited}
         return {"time/weights_s": send_weights(self.policy, self.worker)}
 

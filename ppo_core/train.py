@@ -509,8 +509,8 @@ class Checkpoints:
                                                    "last_kl": state["last_kl"], "elapsed_s": self.elapsed(),
                                                    **({"pending_metrics": state["pending_metrics"]}
                                                       if "pending_metrics" in state else {}),
-                                                   **({"pending_rollout": state["pending_rollout"]}
-                                                      if "pending_rollout" in state else {})},
+                                                   **{k: state[k] for k in ("pending_rollout", "pending_worker_idle_s")
+                                                      if k in state}},
                                             keep=self.cfg.keep_checkpoints)
 
     def close(self):
