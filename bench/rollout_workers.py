@@ -1,13 +1,15 @@
 """Rollout workers on the CPU: one process samples, one trains, taking turns (max_staleness=0) or overlapping
 (max_staleness=1), against today's loop on the same two processes (DDP, both roles on both).
 
-    python bench/rollout_workers.py                # SmolLM2-135M shape, random weights, 2 processes x 1 thread (~6 min)
+    python bench/rollout_workers.py                # SmolLM2-135M shape, random weights, 2 processes x 1 thread (~8 min)
     python bench/rollout_workers.py --tiny         # the same at a toy shape, a minute
 
 Each run is `ppo-train` under torchrun (2 processes, OMP_NUM_THREADS=1 each: the 2 cores) on a scratch checkpoint
 (bench/e2e.py's: random weights with EOS and pad made unsampleable, so every response has exactly --new tokens), a
-prompts file of --batch prompts of --prompt tokens, and a reward function (the response's length in characters,
-cheap on purpose: the roles' work is the model's). PPO with a critic, one epoch of one minibatch, float32,
+prompts file of --prompt-token prompts, and a reward function (the response's length in characters, cheap on purpose:
+the roles' work is the model's). By default GRPO (no critic: the trainer's passes are the old and reference log-probs
+and the policy's update), --batch 8 responses in groups of 4, 128 new tokens each, lr 1e-6: a shape where decoding
+(128 steps at batch 8) and training take comparable time on this CPU; one epoch of one minibatch, float32,
 --iterations iterations; the table takes the median of the iterations after the first (warm-up) from metrics.jsonl:
   s / iteration    time/rollout_s + time/train_s on the trainer (its whole iteration);
   trainer idle     the share of that the trainer spent waiting for a rollout (time/trainer_wait_s and, one update
@@ -39,7 +41,7 @@ def scratch(workdir, args):
     os.makedirs(os.path.join(workdir, "policy"), exist_ok=True)
     write_tokenizer(os.path.join(workdir, "policy"), config["vocab_size"])
     write_checkpoints(workdir, config)
-    write_prompts(os.path.join(workdir, "prompts.txt"), 4 * args.batch, args.prompt, config["vocab_size"])
+    write_prompts(os.path.join(workdir, "prompts.txt"), 16 * args.batch, args.prompt, config["vocab_size"])
     with open(os.path.join(workdir, "reward.py"), "w") as f:
         f.write(REWARD)
 
@@ -49,7 +51,8 @@ def run(workdir, args, name, extra):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                "ppo_core.train", f"--policy={workdir}/policy", f"--prompts_file={workdir}/prompts.txt",
                f"--reward_fn={workdir}/reward.py:length", f"--iterations={args.iterations}",
-               f"--rollout_batch_size={args.batch}", f"--minibatch_size={args.batch}",
+               f"--rollout_batch_size={args.batch // args.samples}", f"--n_samples_per_prompt={args.samples}",
+               f"--adv_estimator={args.estimator}", f"--lr={args.lr}", f"--minibatch_size={args.batch}",
                f"--micro_batch_size={args.batch // 2}", "--ppo_epochs=1", f"--max_new_tokens={args.new}",
                "--eval_size=2", "--eval_every=0", "--dtype=float32", "--threads=1", "--progress=false",
                "--save_every=0", "--keep_checkpoints=1", f"--out={out}", *extra]
@@ -71,16 +74,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8, help="responses per iteration")
+    parser.add_argument("--samples", type=int, default=4, help="responses per prompt (a group)")
+    parser.add_argument("--estimator", default="grpo")
+    parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="ppo-workers-")
     scratch(workdir, args)
     shape = "toy shape" if args.tiny else "SmolLM2-135M shape"
-    print(f"\n--rollout workers: {shape}, random weights, float32, 2 processes x 1 thread, {args.batch} prompts x "
-          f"{args.prompt} + {args.new} tokens, PPO, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"\n--rollout workers: {shape}, random weights, float32, 2 processes x 1 thread, {args.batch} responses "
+          f"({args.samples} per prompt) x {args.prompt} + {args.new} tokens, {args.estimator}, lr {args.lr:g}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| run | s / iteration | trainer idle | worker idle | weights s | gap (nats/token) |")
     print("|---|---:|---:|---:|---:|---:|")
     runs = [("DDP, both roles on both processes (today's loop)", []),
