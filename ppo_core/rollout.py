@@ -12,7 +12,9 @@ them (old and reference log-probs, entropy, values). The loop (ppo_core.train) t
              ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens: ppo_core.packing)
   prompts:   render_prompt, prompt_token_ids, encode_prompts: the token ids the policy sees, left-padded
   sampling:  sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate), then sample_and_score (the reward source
-             scores them) -> Sampled; with_reference_responses for a pairwise judge
+             scores them) -> Sampled; with_reference_responses for a pairwise judge; play_episodes for multi-turn
+             episodes (cfg.environment, ppo_core.environments), scored by their environments; sampled_state /
+             sampled_from_state carry a Sampled through a checkpoint or to a trainer (ppo_core.rollout_worker)
   iteration: iteration_rollout: rollout_batch_size prompts x n_samples_per_prompt, this process's rows of the
              global batch; with filter_groups, DAPO's group filter over batches gathered from every process
              (gather_sampled, select_sampled)

@@ -7,6 +7,8 @@
 One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO"):
   1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
                filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)       ppo_core.rollout
+               (with an environment: multi-turn episodes; with max_staleness=1, the rollout sampled one update
+               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.rollout_worker)
   2. score:    the reward function or model gives one scalar per response                   ppo_core.reward_source
   3. forward:  old log-probs and entropy (policy), reference log-probs, values (critic, if any), all with the
                training code path, so the first minibatch's ratio is 1 up to the order of a log-sum-exp (measured
