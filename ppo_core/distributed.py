@@ -76,6 +76,11 @@ def world_size():
     return dist.get_world_size(_group) if dist.is_initialized() else 1
 
 
+def job_size():
+    """Every process of the job, whatever its role."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def rank():
     return dist.get_rank(_group) if dist.is_initialized() else 0
 

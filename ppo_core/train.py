@@ -201,6 +201,10 @@ def check_process_count(cfg: PPOConfig, world):
     if rollout_rows(cfg) % world or cfg.minibatch_size % world:
         raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
                           f"multiples of the number of processes ({world})")
+    if cfg.rollout_ranks and (world != 1 or dist.job_size() != cfg.rollout_ranks + 1):
+        raise ConfigError(f"config key 'rollout_ranks': {cfg.rollout_ranks} rollout worker(s) need one trainer beside them: "
+                          f"run under torchrun --nproc-per-node={cfg.rollout_ranks + 1} (this job has "
+                          f"{dist.job_size()} process(es))")
     if cfg.max_staleness and world > 1:
         raise ConfigError("config key 'max_staleness': one process only for now (its checkpoint holds one process's "
                           "pending rollout)")

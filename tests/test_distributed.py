@@ -249,3 +249,12 @@ def test_a_rollout_worker_run_killed_mid_update_resumes_identically(tmp_path):
     a, b = weights(tmp_path / "whole", 3), weights(run_dir, 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert metrics(tmp_path / "whole") == metrics(run_dir)
+
+
+def test_a_rollout_worker_needs_a_trainer_beside_it(tmp_path):
+    """rollout_ranks=1 in one process (no torchrun): one line and exit status 2, before the run directory is made."""
+    proc = launch([sys.executable, "-m", "ppo_core.train", "--rollout_ranks=1", f"--out={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("ppo-train: error: config key 'rollout_ranks': 1 rollout worker(s) need one trainer "
+                                   "beside them: run under torchrun --nproc-per-node=2 (this job has 1 process(es))")
+    assert not (tmp_path / "run").exists()
