@@ -18,7 +18,9 @@ worker (gloo on the CPU, NCCL on GPUs for the weights), in a fixed order that ne
       max_staleness=1: rollout it+1 received     (kept in the checkpoint as in-flight: a resume is exact)
 
 A rollout travels as the JSON of ppo_core.rollout.sampled_state (its tensors as lists, its rows and texts), with
-the worker's seconds and its prompt stream's state; the weights as the policy's state-dict tensors, one send each.
+the worker's seconds and its prompt stream's state; the weights as the policy's state-dict tensors in flat buckets of
+about BUCKET_BYTES, in their own dtype (fp32 master weights stay fp32: the worker samples with exactly what the
+trainer holds, which keeps a worker run equal to the one-process run; bf16 copies would halve the bytes).
 What the worker samples is what one process with max_staleness would sample (the same weights, the same noise:
 ppo_core.engine's counter noise per iteration and row), so a run with a worker equals the one-process run.
 For now: one trainer and one worker, no filter_groups, no LoRA, no pairwise judge's reference samples.
@@ -50,26 +52,43 @@ def recv_json(src):
     return json.loads(bytes(data.numpy()).decode())
 
 
-def weight_tensors(policy):
-    """The policy's tensors as they travel: its state dict, in its order (tied weights once per name)."""
-    return list(policy.state_dict().values())
+BUCKET_BYTES = 64 * 2**20  # the weights travel in flat buckets of about this size: a few large messages, not hundreds
+
+
+def weight_buckets(policy):
+    """The policy's tensors as they travel: its state dict in its order (tied weights once per name), grouped into
+    buckets of one dtype and about BUCKET_BYTES. -> lists of tensors; sender and receiver build the same ones."""
+    buckets, size = [], 0
+    for t in policy.state_dict().values():
+        if not buckets or size + t.numel() * t.element_size() > BUCKET_BYTES or buckets[-1][0].dtype != t.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += t.numel() * t.element_size()
+    return buckets
+
+
+def flat_buckets(policy):
+    """Each bucket's tensors as one flat tensor (a copy) for sending."""
+    with torch.no_grad():
+        return [torch.cat([t.detach().reshape(-1) for t in bucket]) for bucket in weight_buckets(policy)]
 
 
 def send_weights(policy, dst):
-    """-> seconds spent sending."""
+    """The weights, exactly (in their own dtype: the worker samples with what the trainer holds). -> seconds."""
     start = time.perf_counter()
-    with torch.no_grad():
-        for t in weight_tensors(policy):
-            torch_dist.send(t.detach().contiguous(), dst)
+    for flat in flat_buckets(policy):
+        torch_dist.send(flat, dst)
     return time.perf_counter() - start
 
 
 def recv_weights(policy, src):
     with torch.no_grad():
-        for t in weight_tensors(policy):
-            buffer = torch.empty_like(t)
-            torch_dist.recv(buffer, src)
-            t.copy_(buffer)
+        for bucket in weight_buckets(policy):
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            torch_dist.recv(flat, src)
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
 
 
 # ---------------------------------------------------------------------------- the trainer's side
@@ -115,7 +134,8 @@ class RolloutClient:
         if self.cfg.max_staleness:
             sending = time.perf_counter()
             # the worker sends its rollout before it takes the weights: send without waiting, then receive
-            requests = [torch_dist.isend(t.detach().contiguous(), self.worker) for t in weight_tensors(self.policy)]
+            flats = flat_buckets(self.policy)  # kept alive until the sends complete
+            requests = [torch_dist.isend(flat, self.worker) for flat in flats]
             waiting = time.perf_counter()
             message = self.receive()
             waited = time.perf_counter() - waiting
