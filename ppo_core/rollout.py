@@ -138,13 +138,13 @@ def prompt_token_ids(tokenizer, prompt, cfg):
     "messages" and, with cfg.chat_template, a plain prompt as a user turn, are rendered with the chat template (which
     writes any BOS itself); a plain prompt otherwise gets what the tokenizer's post-processor adds (a BOS for
     Llama-family checkpoints), as transformers' tokenizer(text) does."""
-    if isinstance(prompt, dict) and "messages" in prompt:
-        return tokenizer.encode(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False,
-                                                              enable_thinking=cfg.enable_thinking))
-    if cfg is not None and cfg.environment:  # an episode's first messages, as its environment gives them
+    if cfg is not None and cfg.environment:  # an episode's first messages, as its environment gives them (any row)
         build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns)
         row = prompt if isinstance(prompt, dict) else {"prompt": prompt}
         return tokenizer.encode(render(tokenizer, list(build().reset(row)), tools, **episode_template_kwargs(cfg)))
+    if isinstance(prompt, dict) and "messages" in prompt:
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False,
+                                                              enable_thinking=cfg.enable_thinking))
     prompt = prompt["prompt"] if isinstance(prompt, dict) else prompt
     if cfg is not None and cfg.chat_template:
         return tokenizer.encode(render_prompt(tokenizer, prompt, cfg))

@@ -145,7 +145,7 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
                                                    num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
     if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
         stats["behav_gap"] = off_stats["behav_gap_mean"]
-        stats["corrected_frac"] = next(v for k, v in off_stats.items() if k.endswith("_frac") and k != "masked_seq_frac")
+        stats["corrected_frac"] = off_stats[CORRECTED_FRAC[cfg.off_policy_correction]]
     # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
     pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
     return loss, pg_loss, kl_loss.detach(), stats
@@ -324,6 +324,8 @@ MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "p
             "policy/approx_kl", "policy/ratio_mean", "policy/entropy", "value/clipfrac", "value/values_mean",
             "off_policy/behav_gap_mean", "off_policy/corrected_frac")
 MB_STATS_PER_TOKEN = (False, False, False, True, True, True, True, True, True, True, True, True)
+# the share of tokens each off-policy correction truncates or drops, as ppo_core.algo's weight functions name it
+CORRECTED_FRAC = {"tis": "truncated_frac", "decoupled": "filtered_frac", "icepop": "masked_frac"}
 # their keys in policy_loss's / value_loss's stats
 _STAT_KEYS = {"policy/clipfrac": "clipfrac", "policy/dual_clipfrac": "dual_clipfrac", "policy/approx_kl": "approx_kl",
               "policy/ratio_mean": "ratio_mean", "policy/entropy": "entropy", "value/clipfrac": "clipfrac",

@@ -279,3 +279,24 @@ def test_ppo_train_task_toolmul_runs_the_shipped_tool_demo(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["env/tool_calls"] <= 3 and m["env/turns"] >= 1 for m in metrics)
     assert sum(m["env/tool_calls"] for m in metrics) > 0  # the SFT policy calls the calculator some of the time
+
+
+def test_a_chat_row_is_rendered_by_its_environment_like_any_row(checkpoint, tmp_path):
+    """With an environment, a row's prompt is what the environment's reset renders, for a "messages" row too (the
+    lengths the run checks and pads to are those of the prompts the episodes play)."""
+    from ppo_core.config import build_config
+    from ppo_core.environments import render
+    from ppo_core.rollout import prompt_token_ids
+
+    (tmp_path / "chat_env.py").write_text(
+        "class Chat:\n"
+        "    def reset(self, row):\n"
+        "        return [{'role': 'system', 'content': 'be brief'}] + row['messages']\n"
+        "    def step(self, text):\n"
+        "        return None, 0.0, True\n")
+    cfg = build_config({}, {"environment": f"{tmp_path / 'chat_env.py'}:Chat"})
+    tokenizer = load_tokenizer(str(checkpoint / "ckpt"))
+    row = {"messages": [{"role": "user", "content": "12*34"}]}
+    want = tokenizer.encode(render(tokenizer, [{"role": "system", "content": "be brief"}, *row["messages"]], None,
+                                   enable_thinking=True))
+    assert prompt_token_ids(tokenizer, row, cfg) == want

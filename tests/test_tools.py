@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from ppo_core import sandbox
 from ppo_core.code_reward import CodeTests, extract_code, split_tests
 from ppo_core.config import build_config
 from ppo_core.reward_source import make_reward_source
@@ -27,6 +28,10 @@ from ppo_core.tools import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the Python tool and the code reward run code in ppo_core.sandbox, which refuses to run on a machine that cannot
+# isolate it (no unshare, no user namespaces): there those tests have nothing to check
+ISOLATION = sandbox.isolation()
+needs_sandbox = pytest.mark.skipif(ISOLATION.startswith("none"), reason=f"no sandbox on this machine: {ISOLATION}")
 
 # ------------------------------------------------------------------------------------------------ parsing
 
@@ -239,11 +244,13 @@ def test_clip_middle_keeps_head_and_tail():
 # ------------------------------------------------------------------------------------ the Python tool (sandbox)
 
 
+@needs_sandbox
 def test_python_tool_prints():
     assert PythonTool()({"code": "print(123 * 456)\nprint('done')"}) == "56088\ndone"
     assert PythonTool()({"code": "x = 1"}) == "(no output)"
 
 
+@needs_sandbox
 def test_python_tool_reports_an_exception_with_its_traceback_and_exit_status():
     out = PythonTool()({"code": "print('before')\n1/0"})
     lines = out.splitlines()
@@ -251,6 +258,7 @@ def test_python_tool_reports_an_exception_with_its_traceback_and_exit_status():
     assert lines[-2:] == ["ZeroDivisionError: division by zero", "exit status 1"]
 
 
+@needs_sandbox
 def test_python_tool_times_out_plainly():
     start = time.monotonic()
     out = PythonTool(timeout_s=0.5)({"code": "print('started', flush=True)\nwhile True: pass"})
@@ -258,6 +266,7 @@ def test_python_tool_times_out_plainly():
     assert out == "started\ntimed out after 0.5 s"
 
 
+@needs_sandbox
 def test_python_tool_bounds_its_observation_and_runs_through_a_pool():
     from ppo_core.sandbox import SandboxPool
 
@@ -266,6 +275,7 @@ def test_python_tool_bounds_its_observation_and_runs_through_a_pool():
     assert out == "x" * 50 + "\n... [900 characters cut] ...\n" + "x" * 50
 
 
+@needs_sandbox
 def test_python_tool_says_how_a_run_ended_badly():
     tool = PythonTool(memory_mb=256)
     assert tool({"code": "import ctypes\nctypes.string_at(0)"}) == "killed by SIGSEGV"  # a crash of its own
@@ -275,6 +285,7 @@ def test_python_tool_says_how_a_run_ended_badly():
     assert flood.endswith("xxx\n[output truncated]\noutput passed 16 MiB: the run was killed") and len(flood) < 2100
 
 
+@needs_sandbox
 def test_python_tool_arguments_are_checked_through_run_tool_calls():
     text = ('<tool_call>{"name": "python", "arguments": {}}</tool_call>'
             '<tool_call>{"name": "python", "arguments": {"code": ["print(1)"]}}</tool_call>'
@@ -315,6 +326,7 @@ def test_split_tests():
             split_tests(bad)
 
 
+@needs_sandbox
 def test_correct_wrong_and_partial_solutions_score_the_fraction_of_tests_passed():
     reward = CodeTests(timeout_s=5.0, max_workers=4)
     out = reward(["Write is_even(n)."] * 3, [CORRECT, WRONG, PARTIAL], [IS_EVEN_TESTS] * 3)
@@ -325,6 +337,7 @@ def test_correct_wrong_and_partial_solutions_score_the_fraction_of_tests_passed(
     assert all(0 < seconds < 20 for seconds in out["sandbox_s"])
 
 
+@needs_sandbox
 def test_a_response_without_a_block_runs_whole_and_a_main_block_does_not_run():
     # the demo under __main__ reads input(), which would fail the test if the solution were run as a script
     response = "def is_even(n):\n    return n % 2 == 0\n\nif __name__ == '__main__':\n    print(is_even(int(input())))\n"
@@ -333,6 +346,7 @@ def test_a_response_without_a_block_runs_whole_and_a_main_block_does_not_run():
     assert CodeTests()(["p"], ["This is prose, not code."], ["assert is_even(10)"])["rewards"] == [0.0]
 
 
+@needs_sandbox
 def test_an_infinite_loop_scores_zero_promptly():
     reward = CodeTests(timeout_s=1.0, max_workers=4)
     looping = "```python\ndef is_even(n):\n    while True:\n        pass\n```"
@@ -344,6 +358,7 @@ def test_an_infinite_loop_scores_zero_promptly():
     assert elapsed < 6.0, elapsed  # four 1 s runs, four at a time, with room for a loaded machine
 
 
+@needs_sandbox
 @pytest.mark.parametrize("exit_call", ["import sys\nsys.exit(0)", "import os\nos._exit(0)"])
 def test_exiting_early_with_status_zero_does_not_pass(exit_call):
     # the shortcut: leave before the asserts run, with the status of success
@@ -351,6 +366,7 @@ def test_exiting_early_with_status_zero_does_not_pass(exit_call):
     assert CodeTests()(["p"], [response], [IS_EVEN_TESTS])["rewards"] == [0.0]
 
 
+@needs_sandbox
 def test_the_solution_does_not_see_the_trainer_s_secrets(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_trainer_secret")
     monkeypatch.setenv("PPO_CORE_TEST_SECRET", "hunter2")
@@ -364,6 +380,7 @@ def test_the_solution_does_not_see_the_trainer_s_secrets(monkeypatch):
     assert out["rewards"] == [0.5] and out["tests_passed"] == [2.0]  # the first and the last: nothing leaks
 
 
+@needs_sandbox
 @pytest.mark.parametrize("spec", ["ppo_core.code_reward:code_tests", f"{ROOT}/ppo_core/code_reward.py:code_tests"])
 def test_loads_as_ppo_train_loads_a_reward_function(spec):
     source = make_reward_source(build_config(overrides={"reward_fn": spec}))
