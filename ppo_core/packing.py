@@ -16,7 +16,6 @@ loss (ppo_kernels skips label -100 and weight-0 rows), the reference heads only 
 Index tensors are built on the host from a host copy of the attention mask (one copy per rollout), so packing a
 micro-batch reads nothing back from a GPU.
 """
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +34,6 @@ class Packed:
     def args(self):
         """What CausalLM / ScoreModel.forward(packed=...) take."""
         return self.positions, self.seq_lens
-
-    @property
-    def last_index(self):
-        """[b] int64 (host): each row's last real token in the pack."""
-        return torch.tensor(list(itertools.accumulate(self.seq_lens))) - 1
 
 
 def pack_rows(input_ids, host_mask, prompt_len) -> Packed:

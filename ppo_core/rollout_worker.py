@@ -96,8 +96,8 @@ def recv_weights(policy, src):
 class RolloutClient:
     """The trainer's end (its first process): start the worker, take each iteration's rollout, send the weights."""
 
-    def __init__(self, cfg, policy, stream, log):
-        self.cfg, self.policy, self.stream, self.log = cfg, policy, stream, log
+    def __init__(self, cfg, policy, stream):
+        self.cfg, self.policy, self.stream = cfg, policy, stream
         self.worker = dist.global_rank(0, "rollout", cfg.rollout_ranks)
         self.device = next(policy.parameters()).device
 

@@ -101,7 +101,7 @@ def run(cfg: PPOConfig, resume_from=None):
         return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy, autocast=autocast)
     ckpts = Checkpoints(cfg, run_dir, log, tracker, policy, critic, tokenizer, opts,
                         {"sample": sample_gen, "shuffle": shuffle_gen}, kl_ctl, stream)
-    workers = RolloutClient(cfg, policy, stream, log) if cfg.rollout_ranks else None
+    workers = RolloutClient(cfg, policy, stream) if cfg.rollout_ranks else None
     state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
 
     if ckpt is not None:

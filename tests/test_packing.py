@@ -236,7 +236,6 @@ def test_pack_rows_on_hand_worked_rows():
     assert pack.response_index.tolist() == [[1, 2, 3],  # 12, 13, 14
                                             [7, 8, 14],  # 24, 25, pad
                                             [11, 12, 14]]  # 33, 34, the hole
-    assert pack.last_index.tolist() == [3, 8, 13]
     assert pack.args == (pack.positions, pack.seq_lens)
 
 
