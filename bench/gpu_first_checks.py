@@ -26,6 +26,14 @@ One line per check, `ok`, `FAILED` or `skipped`, with what was chosen or measure
   cuda graph     decoding under bf16 autocast with fp32 weights, as the trainer does (`CUDAGraphStep`, on by
                  default): the captured and replayed step gives the tokens and log-probs of the eager static
                  step, for the shipped demo policy and a random Qwen3-style model.
+  engine graphs  the rollout engine's decode-only steps replayed as CUDA graphs (ppo_core.static_decode, on by
+                 default on CUDA) against the same steps run eagerly on the static buffers and against the dynamic
+                 steps, on a random Qwen3-0.6B-shaped model (fp32 weights, bf16 autocast: the trainer's rollout),
+                 64 prompts of 32 tokens, greedy: the decode step's time in each mode ((wall of 40 new tokens - wall
+                 of 8) / 32, medians of 3 calls after a warm-up call; every call captures its graphs anew, so the
+                 difference leaves the captures and the prefill out), the captures' cost, and equal tokens. FAILED
+                 unless the graphs give the eager static steps' tokens and every decode-only step replays a graph.
+                 On the CPU: the same measurement at toy size without graphs (dynamic and static eager).
   backward       the gradient of a log-prob + entropy loss through the model and the fused LM-head kernel
                  (ppo_core.rollout.response_logprobs, fused=True) against float64 on the CPU: CUDA fp32 (TF32 off)
                  and CUDA bf16 autocast must be within 4x the CPU's own error at the same precision, or within
@@ -33,10 +41,12 @@ One line per check, `ok`, `FAILED` or `skipped`, with what was chosen or measure
 Exit status: 1 if any check FAILED, else 0.
 """
 import argparse
+import contextlib
 import copy
 import os
 import random
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +60,8 @@ import torch  # noqa: E402
 import ppo_core  # noqa: E402
 from ppo_core import checkpoint, distributed  # noqa: E402
 from ppo_core.generate import filter_logits, sample_from_probs  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs, load_model  # noqa: E402
+from ppo_core.engine import RolloutEngine  # noqa: E402
+from ppo_core.model import CausalLM, ModelArgs, load_model, read_config  # noqa: E402
 from ppo_core.tokenizer import load_tokenizer  # noqa: E402
 from ppo_core.rollout import response_logprobs  # noqa: E402
 from ppo_core.train import DEMO_CHECKPOINT  # noqa: E402
@@ -258,6 +269,63 @@ def check_cuda_graph(device):
     return status, "graph vs eager static step under bf16 autocast: " + "; ".join(parts)
 
 
+def check_engine_graphs(device):
+    cuda = device.type == "cuda"
+    if cuda:  # random weights of Qwen3-0.6B's shapes (28 layers, GQA 16/8, head_dim 128, 151936-token vocabulary)
+        torch.manual_seed(0)
+        config = read_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "models",
+                                          "Qwen3-0.6B"))
+        with torch.device(device):
+            model = CausalLM(ModelArgs.from_hf_config(config)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+        rows, prompt_len, short, long = 64, 32, 8, 40
+    else:
+        model, rows, prompt_len, short, long = tiny_qwen3(device), 8, 10, 2, 6
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, model.args.vocab_size, (rows, prompt_len), generator=g).tolist()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    modes = {"dynamic": dict(cuda_graphs=False), "static eager": dict(cuda_graphs=False, static_decode=True)}
+    if cuda:
+        modes["graphs"] = dict(cuda_graphs=True)
+    results = {}  # mode -> (decode step ms, tokens of a long call, its stats)
+    for mode, kw in modes.items():
+        engine = RolloutEngine(model, **kw)
+
+        def call(new):
+            sync()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+                tokens = engine.generate(prompts, new, greedy=True)
+            sync()
+            return time.perf_counter() - t0, tokens, dict(engine.stats)
+
+        call(short)  # warm-up: Triton's JIT, cuBLAS, the allocator
+        short_s = statistics.median(call(short)[0] for _ in range(3))
+        longs = [call(long) for _ in range(3)]
+        long_s = statistics.median(wall for wall, _, _ in longs)
+        results[mode] = (1e3 * (long_s - short_s) / (long - short), longs[-1][1], longs[-1][2])
+    dynamic_ms, dynamic_tokens, _ = results["dynamic"]
+    parts = [f"{mode} {ms:.2f} ms ({dynamic_ms / ms:.2f}x)" for mode, (ms, _, _) in results.items()]
+    detail = (f"decode step, {rows} rows, {model.args.num_hidden_layers} layers"
+              f"{', bf16 autocast' if cuda else ', float32 (toy size)'}: " + ", ".join(parts))
+    n_tokens = rows * long
+    same = {mode: sum(a == b for x, y in zip(tokens, dynamic_tokens) for a, b in zip(x, y))
+            for mode, (_, tokens, _) in results.items() if mode != "dynamic"}
+    detail += "; tokens equal to the dynamic steps': " + ", ".join(f"{m} {n}/{n_tokens}" for m, n in same.items())
+    if not cuda:
+        return "skipped", detail + "; graphs skipped (no GPU)"
+    _, graph_tokens, stats = results["graphs"]
+    same_static = sum(a == b for x, y in zip(graph_tokens, results["static eager"][1]) for a, b in zip(x, y))
+    detail += (f"; graphs vs static eager {same_static}/{n_tokens} tokens equal; per call: {stats['graph_captures']} "
+               f"capture(s) in {stats['graph_capture_s']:.3f} s, {stats['graph_replays']} replays of "
+               f"{stats['static_steps']} static of {stats['steps']} steps (graphs {stats['cuda_graphs']})")
+    ok = (same_static == n_tokens and stats["cuda_graphs"] == "on"
+          and stats["graph_replays"] == stats["static_steps"] > 0)
+    return ("ok" if ok else "FAILED"), detail
+
+
 def check_backward(device):
     def loss_and_grads(model, batch, fused, autocast=None):
         ids, mask, response_mask, weights, P = batch
@@ -313,7 +381,7 @@ def check_backward(device):
 
 CHECKS = [("dispatch", check_dispatch), ("mm_fp32", check_mm_fp32), ("deterministic", check_deterministic),
           ("checkpoint RNG", check_checkpoint_rng), ("distributed", check_distributed),
-          ("cuda graph", check_cuda_graph), ("backward", check_backward)]
+          ("cuda graph", check_cuda_graph), ("engine graphs", check_engine_graphs), ("backward", check_backward)]
 
 
 def main():

@@ -13,7 +13,7 @@
 # Triton kernel variant compiles on its first launch (1-7 s each with triton 3.6, one process): the ~10
 # variants of the benchmarks fit their steps; the ~70 of the compiled Triton test tier (138 s of compiling
 # alone on a loaded CPU) do not fit a fixed early slot, so that tier runs last and gets whatever time is left
-# (about 235 s when the steps before it take their expected time). Each step prints as it goes (kernel rows,
+# (about 205 s when the steps before it take their expected time). Each step prints as it goes (kernel rows,
 # decode rows, attention rows, test names), so a step cut by its limit still leaves its finished rows in the
 # tables.
 #   step                                            expected   limit
@@ -22,19 +22,21 @@
 #   1 offline install (bench/offline_install.sh:       5 s      60 s
 #     pip -e, or a setuptools copy without wheel)
 #   2 preflight: imports + one Triton launch           10 s      60 s
-#   2b GPU-only paths (bench/gpu_first_checks.py:      45 s     120 s
-#     CUDA graph under autocast, mm_fp32 probe, RNG
+#   2b GPU-only paths (bench/gpu_first_checks.py:      60 s     120 s
+#     CUDA graph under autocast, the engine's decode
+#     graphs on vs off (step times), mm_fp32 probe, RNG
 #     in checkpoints, NCCL group, backward on CUDA)
-#   3 CUDA-only tests (CUDA graphs, fused attention,   35 s      55 s
-#     Qwen-sized kernels, varlen attention of packed
-#     passes; few Triton variants)
+#   3 CUDA-only tests (CUDA graphs of generate and     50 s      70 s
+#     of the engine, fused attention, Qwen-sized
+#     kernels, varlen attention of packed passes;
+#     few Triton variants)
 #   4 bench/kernels.py --device cuda                   40 s      65 s
 #   5 bench/generate.py --device cuda                  30 s      45 s
 #   5b bench/rollout.py --device cuda (the rollout     30 s      45 s
 #     engine, Qwen3-0.6B shape, workloads A and C)
 #   6 bench/ppo_step.py (attention, Qwen3-0.6B shape)  45 s      75 s
 #   7 default job, 2 iterations, on CUDA               20 s      35 s
-#   8 kernel test tier (compiled Triton cases)        235 s    the rest (to the deadline)
+#   8 kernel test tier (compiled Triton cases)        205 s    the rest (to the deadline)
 #   sum                                               500 s     500 s (the deadline)
 # Results and exit status. The tables end with one row per step: ok (with pytest's counts), FAILED, or cut.
 # A check that should take seconds (steps 0-2b) FAILS when it times out; a test tier or benchmark (3-8) that
@@ -266,13 +268,14 @@ exit $rc
 SH
 kernel_test_files=(tests/test_kernels_logprobs.py tests/test_kernels_linear.py tests/test_kernels_loss.py)
 test_files=("${kernel_test_files[@]}")
-for f in tests/test_generate.py tests/test_*gpu*.py tests/test_*attention*.py tests/test_packing.py; do
+for f in tests/test_generate.py tests/test_engine.py tests/test_*gpu*.py tests/test_*attention*.py \
+  tests/test_packing.py; do
   [[ -f $f ]] && test_files+=("$f")
 done
-# The tests gated on CUDA (CUDA-graph decoding, every attention pass on a fused kernel, the large-vocabulary and
-# Qwen-sized kernel cases): few Triton variants, so they fit early; on the CPU everything here skips but the
-# argument checks.
-step --cut-ok "3 CUDA-only tests" 55 bash "$scratch/pytest_tier.sh" "gpu or cuda" "${test_files[@]}"
+# The tests gated on CUDA (CUDA-graph decoding in generate and in the engine, every attention pass on a fused kernel,
+# the large-vocabulary and Qwen-sized kernel cases): few Triton variants, so they fit early; on the CPU everything
+# here skips but the argument checks and the engine's interpreter-only tests.
+step --cut-ok "3 CUDA-only tests" 70 bash "$scratch/pytest_tier.sh" "gpu or cuda" "${test_files[@]}"
 
 # ---------------------------------------------------------------------------------------- 4. kernels
 if [[ $smoke == 1 && -n $interpreter_problem ]]; then

@@ -58,9 +58,11 @@ of its record_function("engine.schedule") ranges (one per step); the first step 
 out and the others averaged.
 
 --device cuda (GPU only; --help works anywhere): engine rows only, fp32 weights under bf16 autocast (what the
-trainer's rollout runs), timed with torch.cuda.synchronize. "% of HBM roofline" = (steps x bf16 weight bytes +
-KV bytes every decode step must read, sum over rows of their context x 2 bytes x layers x 2 x kv heads x
-head_dim) / the copy bandwidth measured in the same run (1 GiB tensor copy, read + write bytes, median of 10)
+trainer's rollout runs), timed with torch.cuda.synchronize, decode-only steps replayed as CUDA graphs (the engine's
+default; --no-cuda-graphs: every step eager). "graph steps" = the steps of the last timed run that replayed a graph /
+all its steps (its captures, one per batch bucket, are inside the wall time). "% of HBM roofline" = (steps x bf16
+weight bytes + KV bytes every decode step must read, sum over rows of their context x 2 bytes x layers x 2 x kv heads
+x head_dim) / the copy bandwidth measured in the same run (1 GiB tensor copy, read + write bytes, median of 10)
 / the measured wall time: 100% = every step reads the weights and its rows' KV once at copy speed.
 """
 import argparse
@@ -576,15 +578,17 @@ def device_table(args, device="cuda"):
     where = torch.cuda.get_device_name() if device == "cuda" else f"{device} (toy size)"
     workloads = make_workloads(args.quick)
     print(f"GPU rows: {where}, torch {torch.__version__}, fp32 weights under bf16 autocast, copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s (read + write), median of {args.repeats} run(s) after a warm-up run")
+          f"{bandwidth / 1e9:.0f} GB/s (read + write), median of {args.repeats} run(s) after a warm-up run, "
+          f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}")
     print(f"| {'model':<18} | {'workload':<8} | {'useful tok/s':>12} | {'steps':>6} | {'ms/step':>8} | "
-          f"{'roofline ms/step':>16} | {'% of HBM roofline':>17} | {'peak KV (MB)':>12} | {'computed/useful':>15} |")
-    print(f"|{'-' * 20}|{'-' * 10}|{'-' * 13}:|{'-' * 7}:|{'-' * 9}:|{'-' * 17}:|{'-' * 18}:|{'-' * 13}:|{'-' * 16}:|",
-          flush=True)
+          f"{'roofline ms/step':>16} | {'% of HBM roofline':>17} | {'peak KV (MB)':>12} | {'computed/useful':>15} | "
+          f"{'graph steps':>11} |")
+    print(f"|{'-' * 20}|{'-' * 10}|{'-' * 13}:|{'-' * 7}:|{'-' * 9}:|{'-' * 17}:|{'-' * 18}:|{'-' * 13}:|{'-' * 16}:|"
+          f"{'-' * 12}:|", flush=True)
     for model_name in args.models:
         model_dir = checkpoint(model_name, args.quick, args.cache_dir)
         model = ppo_core.load_model(model_dir, device=device).eval()
-        engine = RolloutEngine(model, kv_cache_gb=None, block_size=None)
+        engine = RolloutEngine(model, kv_cache_gb=None, block_size=None, cuda_graphs=not args.no_cuda_graphs)
         weight_bytes = 2 * sum(p.numel() for p in model.parameters())  # the bf16 copies autocast reads
         kv_token = kv_bytes_per_token(model.args, 2)  # bf16 cache under autocast
         for name in args.workloads:
@@ -612,7 +616,8 @@ def device_table(args, device="cuda"):
             label = model_name + (" (2L)" if args.quick else "")
             print(f"| {label:<18} | {name:<8} | {useful / wall:12.1f} | {steps:6d} | {1e3 * wall / steps:8.3f} | "
                   f"{1e3 * roofline_s / steps:16.3f} | {100 * roofline_s / wall:17.1f} | "
-                  f"{stats['peak_kv_bytes'] / 1e6:12.1f} | {stats['computed_tokens'] / useful:15.3f} |", flush=True)
+                  f"{stats['peak_kv_bytes'] / 1e6:12.1f} | {stats['computed_tokens'] / useful:15.3f} | "
+                  f"{stats['graph_replays']:>5}/{steps:<5} |", flush=True)
         engine = model = None  # free this model's memory before the next is loaded
 
 
@@ -627,6 +632,8 @@ def main():
     ap.add_argument("--warmup-tokens", type=int, default=16,
                     help="the warm-up run's responses are cut to this many tokens (0: full length)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU-only engine rows")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="--device cuda: run every engine step eagerly (default: decode-only steps as CUDA graphs)")
     ap.add_argument("--quick", action="store_true", help="2-layer models and toy workloads: a smoke test")
     ap.add_argument("--profile", action="store_true", help="break one decode step down by kind of op")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",

@@ -24,6 +24,12 @@ ppo_kernels.paged_attention (a Triton flash-decoding kernel on CUDA, its torch r
 sequences that compute one token in a step, and fused SDPA (ppo_core.model.attention) over the gathered keys for a
 prefill chunk.
 
+Decode-only steps (every running sequence computes one token; no prefill chunk, no copy-on-write: most of a
+rollout's steps) take ppo_core.static_decode's path where `cuda_graphs` applies (CUDA, the Triton backend, a model
+that is not FSDP-sharded): fixed-shape buffers, rows padded to a power-of-two bucket, one CUDA graph per bucket,
+captured in the call and replayed. Elsewhere, and for every other step, the dynamic step below runs;
+static_decode=True runs the static path without graphs anywhere (the CPU tests compare the two).
+
 Precision as in ppo_core.generate: under autocast the matmuls compute in bf16; the cache is kept in the autocast
 dtype on a GPU and in float32 under CPU autocast (where attention computes in float32); on the CPU float32 models
 multiply with oneDNN-packed weights for the duration of the call.
@@ -41,6 +47,7 @@ from ppo_kernels.paged_attention import paged_decode_attention
 from .generate import counter_uniforms, filter_logits, sample_from_probs
 from .model import CausalLM, attention, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
 from .scheduler import Scheduler, Sequence
+from .static_decode import StaticDecode, graphs_unavailable
 
 CPU_KV_CACHE_GB = 4.0
 """The CPU's default pool budget (GiB): an upper bound; a call allocates only what its sequences can use at once."""
@@ -55,13 +62,20 @@ class RolloutEngine:
     memory on a GPU); a call allocates at most what all its sequences could hold at once.
     block_size: positions per block (default 16).
     max_num_seqs: sequences running at once at most; max_step_tokens: tokens computed in one step at most (prefill
-    chunks; a decode token is never held back)."""
+    chunks; a decode token is never held back).
+    cuda_graphs: on CUDA, replay each decode-only step as a CUDA graph, one per batch bucket, captured in the call
+    (ppo_core.static_decode); ignored on the CPU, and off for an FSDP-sharded model and PPO_KERNELS_BACKEND=torch
+    (stats['cuda_graphs'] says which and why).
+    static_decode: run decode-only steps on the fixed-shape buffers the graphs replay; None = exactly when graphs
+    are used; True without graphs (the CPU, cuda_graphs=False) runs them eagerly: the path the graphs capture."""
 
-    def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096):
+    def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096,
+                 cuda_graphs=True, static_decode=None):
         self.model = model
         self.kv_cache_gb = kv_cache_gb
         self.block_size = block_size or 16
         self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
+        self.cuda_graphs, self.static_decode = cuda_graphs, static_decode
         self.stats = {}
 
     # -- the pool -------------------------------------------------------------------------------------------------
@@ -127,9 +141,11 @@ class RolloutEngine:
         Afterwards `self.stats` holds the call's accounting: computed_tokens (positions run through the model),
         useful_tokens (tokens returned), steps, prefix_hit_tokens (prompt positions found in the pool, not
         computed), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in use at the peak, in bytes) with
-        kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group);
-        with on_turn_end also turns, observation_tokens and busy_fraction (the share of the call's wall time spent in
-        steps, not waiting on tools with nothing to decode)."""
+        kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group),
+        cuda_graphs ("on", or "off: " and why), static_steps (decode-only steps run on the static buffers),
+        graph_captures, graph_replays, graph_capture_s (seconds of warm-up and capture); with on_turn_end also turns,
+        observation_tokens and busy_fraction (the share of the call's wall time spent in steps, not waiting on tools
+        with nothing to decode)."""
         model, device = self.model, next(self.model.parameters()).device
         n = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * n
@@ -150,7 +166,7 @@ class RolloutEngine:
         n_blocks, per_block_layer, layers = self.pool_sizes(lengths, windows, group_of, cache_dtype, device)
         a, bs = model.args, self.block_size
         # per group: keys, values [L_g, blocks + 1, block_size, nkv, hs]; the last block is never handed out: the
-        # padding rows of a step (StepBatch) write there
+        # padding rows of a step (StepBatch, StaticDecode) write there
         pools = [(torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device),
                   torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device))
                  for L, nb in zip(layers, n_blocks)]
@@ -161,6 +177,12 @@ class RolloutEngine:
                 sched.add(seq)
         stats = dict(computed_tokens=0, steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0, sequences_at_peak=0,
                      pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
+        no_graphs = graphs_unavailable(model, device, self.cuda_graphs)
+        static = None  # the decode-only steps' buffers and graphs, for this call (the pool's lifetime)
+        running_at_most = min(sum(1 for b in budgets if b > 0), self.max_num_seqs)
+        if (no_graphs is None if self.static_decode is None else self.static_decode) and running_at_most:
+            static = StaticDecode(model, pools, windows, group_of, index_in_group, bs, n_blocks, running_at_most,
+                                  max(lengths), device, cuda_graphs=no_graphs is None)
         turns = dict(turns=0, observation_tokens=0, idle_s=0.0)
         pending = {}  # Future -> the parked sequence it answers
         started = time.perf_counter()
@@ -213,21 +235,31 @@ class RolloutEngine:
                     if not step.chunks:
                         raise RuntimeError("RolloutEngine: a step with nothing to compute (the pool cannot hold one "
                                            "sequence's next chunk)")
-                    batch = StepBatch(step, windows, group_of, index_in_group, bs, n_blocks, a.num_key_value_heads,
-                                      device, cache_dtype)
-                attend = lambda i, q, k, v: batch.attend(pools, i, q, k, v)  # noqa: E731
-                hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
-                               return_hidden=True)  # [N + pad, H]
+                    static_step = static is not None and static.takes(step)
+                    if not static_step:
+                        batch = StepBatch(step, windows, group_of, index_in_group, bs, n_blocks,
+                                          a.num_key_value_heads, device, cache_dtype)
                 sampling = [c for c in step.chunks if c.samples]
-                last = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
-                last = torch.cat([last, last.new_zeros(row_bucket(len(last), device) - len(last))])
-                logits = model.lm_head(hidden[last])[: len(sampling)].float()  # [S, V]
+                if static_step:  # one token per chunk: row i of the logits is chunk i's
+                    logits = static.run(step)  # [n, V] float32
+                    if len(sampling) < len(step.chunks):  # (a one-token prefill chunk samples nothing)
+                        sampling_rows = [i for i, c in enumerate(step.chunks) if c.samples]
+                        logits = logits[torch.tensor(sampling_rows, device=device)]  # [S, V]
+                    n_tokens = len(step.chunks)
+                else:
+                    attend = lambda i, q, k, v: batch.attend(pools, i, q, k, v)  # noqa: E731
+                    hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
+                                   return_hidden=True)  # [N + pad, H]
+                    last = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
+                    last = torch.cat([last, last.new_zeros(row_bucket(len(last), device) - len(last))])
+                    logits = model.lm_head(hidden[last])[: len(sampling)].float()  # [S, V]
+                    n_tokens = batch.n_tokens
                 with record_function("engine.sampling"):
                     seqs = [c.seq for c in sampling]
                     chosen, logprobs, entropy = sample(logits, seqs, seed, temperature, top_p, top_k, greedy,
                                                        return_logprobs, return_entropy)
                 sched.after_step(step)
-                stats["computed_tokens"] += batch.n_tokens
+                stats["computed_tokens"] += n_tokens
                 stats["steps"] += 1
                 used = sum(pool.n_used * L * per_block_layer for pool, L in zip(sched.pools, layers))
                 if used > stats["peak_kv_bytes"]:
@@ -251,6 +283,13 @@ class RolloutEngine:
                         sched.finish(seq)
         stats.update(preemptions=sched.stats["preemptions"], prefix_hit_tokens=sched.stats["prefix_hit_tokens"],
                      useful_tokens=sum(s.generated for s in sequences), block_size=bs, blocks=n_blocks)
+        stats.update(static.stats if static is not None else
+                     dict(static_steps=0, graph_captures=0, graph_replays=0, graph_capture_s=0.0))
+        if static is not None and static.cuda_graphs:
+            stats["cuda_graphs"] = "on"
+        else:
+            stats["cuda_graphs"] = "off: " + (static is not None and static.failure or no_graphs or (
+                "static_decode=False" if self.static_decode is False else "nothing to decode"))
         if on_turn_end is not None:
             wall = time.perf_counter() - started
             stats.update(turns=turns["turns"], observation_tokens=turns["observation_tokens"],

@@ -6,7 +6,10 @@ preemption, prefix sharing, copy-on-write) and ppo_core/engine.py (paged attenti
 The scheduler is checked on hand-worked block numbers; the engine against ppo_core.generate (the padded reference)
 at the same sampling noise on every family, and against itself under every scheduling choice (block size, pool size
 forcing preemption, prefill chunks, batch limits, rows split as over processes): the tokens must not change.
+The decode-only steps on ppo_core.static_decode's fixed-shape buffers (what a CUDA graph captures) against the
+dynamic steps on the CPU, through the Triton kernel in its interpreter, and as replayed CUDA graphs (GPU only).
 """
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +21,8 @@ import ppo_core
 from ppo_core.engine import RolloutEngine
 from ppo_core.generate import counter_uniforms
 from ppo_core.kv_blocks import BlockPool, prefix_key
-from ppo_core.scheduler import Scheduler, Sequence
+from ppo_core.scheduler import Chunk, Scheduler, Sequence, Step
+from ppo_core.static_decode import StaticDecode, decode_bucket, decode_only
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_generate import CONFIGS, tiny  # noqa: E402
@@ -292,6 +296,11 @@ def test_engine_refuses_what_it_cannot_do_with_one_line():
         RolloutEngine(model).generate([[1], [2]], [3])
 
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py sets it where there is no GPU
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors through Triton's interpreter; on a GPU the CUDA tests run "
+                                             "the compiled kernel")
 @pytest.mark.parametrize("name", ["qwen3", "olmo3"])
 def test_engine_decodes_through_the_triton_kernel_as_on_a_gpu(name, monkeypatch):
     """PPO_KERNELS_BACKEND=triton: the engine's single-token attention runs the paged decode kernel (in Triton's
@@ -395,3 +404,138 @@ def test_multi_turn_parked_sequences_give_up_their_blocks_when_the_pool_runs_out
                                        max_turn_tokens=4, return_mask=True)
     assert [(t, m) for t, m in zip(tokens, mask)] == want
     assert engine.stats["preemptions"] > 0
+
+
+# -- decode-only steps on fixed-shape buffers (ppo_core.static_decode), and their CUDA graphs ---------------------
+
+BUDGETS = [3, 12, 7, 1, 9, 5, 12, 2, 8, 11, 4, 6]  # grouped_prompts' 12 sequences leave at different steps
+
+
+def test_only_steps_of_single_tokens_without_copies_are_decode_only():
+    seq = Sequence(0, 0, [5, 6, 7], 3, 4)
+    assert decode_only(Step(0, [Chunk(seq, 2, 1, True), Chunk(seq, 5, 1, False)], [[], []]))
+    assert not decode_only(Step(0, [Chunk(seq, 2, 1, True), Chunk(seq, 0, 3, True)], [[], []]))  # a prefill chunk
+    assert not decode_only(Step(0, [Chunk(seq, 2, 1, True)], [[], [(4, 7, 2)]]))  # a copy-on-write first
+    assert [decode_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65, 256)] == [1, 2, 4, 8, 8, 16, 64, 128, 256]
+    # more sequences than the buffers' rows (resumed multi-turn episodes may pass max_num_seqs): the dynamic step
+    static = StaticDecode(tiny("qwen3"), [], [None], [0] * 4, [0, 1, 2, 3], 4, [8], max_rows=3, max_len=20,
+                          device=torch.device("cpu"), cuda_graphs=False)
+    assert static.rows == 4 and static.tables.shape == (1, 4, 5)
+    assert static.takes(Step(0, [Chunk(seq, 2, 1, True)] * 4, [[]]))
+    assert not static.takes(Step(0, [Chunk(seq, 2, 1, True)] * 5, [[]]))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_static_decode_steps_give_the_tokens_and_logprobs_of_the_dynamic_steps(name, greedy):
+    """Every family (GQA, OLMo 3's sliding window in its own pool, NoPE layers, clip_qkv), sequences leaving at
+    different steps (buckets of 16, 8, 4 and 2 rows, with padding rows): the decode-only steps on the static buffers (the
+    torch reference attention over tables padded to the call's width) sample the dynamic steps' tokens, and their
+    log-probs to float32 rounding (measured: at most 2.4e-6; the two attentions sum in other orders)."""
+    model = tiny(name)
+    prompts = grouped_prompts()
+    dynamic, static = RolloutEngine(model, block_size=4), RolloutEngine(model, block_size=4, static_decode=True)
+    tokens, logprobs = dynamic.generate(prompts, BUDGETS, greedy=greedy, seed=3, return_logprobs=True)
+    static_tokens, static_logprobs = static.generate(prompts, BUDGETS, greedy=greedy, seed=3, return_logprobs=True)
+    assert static_tokens == tokens
+    torch.testing.assert_close(torch.tensor(sum(static_logprobs, [])), torch.tensor(sum(logprobs, [])), rtol=0,
+                               atol=1e-5)
+    s = static.stats
+    assert dynamic.stats["static_steps"] == 0 and s["static_steps"] == s["steps"] - 1  # all but the prefill step
+    assert s["computed_tokens"] == dynamic.stats["computed_tokens"] and s["graph_replays"] == s["graph_captures"] == 0
+    assert s["cuda_graphs"] == dynamic.stats["cuda_graphs"] == "off: not on CUDA (cpu)"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_static_decode_steps_keep_the_tokens_under_every_scheduling_choice(name):
+    """Preemption (a pool of 32 positions, blocks of 2), at most 3 sequences at once (their admissions' prefills
+    between the decode-only steps), prefill chunks of 5, and multi-turn episodes whose tools answer late (sequences
+    parked and resumed): the static steps give the dynamic steps' tokens."""
+    model = tiny(name)
+    prompts = grouped_prompts(seed=2)
+    expected = RolloutEngine(model).generate(prompts, 15, seed=11)
+    for kw in [dict(block_size=2, kv_cache_gb=32 * pool_bytes_per_position(model) / 2**30), dict(max_num_seqs=3),
+               dict(block_size=8, max_step_tokens=5)]:
+        engine = RolloutEngine(model, static_decode=True, **kw)
+        assert engine.generate(prompts, 15, seed=11) == expected, kw
+        assert engine.stats["static_steps"] > engine.stats["steps"] // 2 and (
+            engine.stats["preemptions"] > 0 or "kv_cache_gb" not in kw), kw
+    with ThreadPoolExecutor(2) as executor:
+        episodes = [RolloutEngine(model, block_size=4, static_decode=static).generate(
+            grouped_prompts()[:4], 16, greedy=True, on_turn_end=scripted(OBSERVATIONS, executor, (0, 3)),
+            max_turn_tokens=4, return_mask=True) for static in (False, True)]
+    assert episodes[1] == episodes[0]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors through Triton's interpreter; on a GPU the CUDA tests run "
+                                             "the compiled kernel")
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_static_decode_steps_launch_the_triton_kernel_with_shapes_fixed_per_bucket(name, monkeypatch):
+    """PPO_KERNELS_BACKEND=triton (the kernel in Triton's interpreter): the static steps give the dynamic steps'
+    tokens (those on the CPU's attention), and every kernel launch reads a table of the call's width W and a bucket's
+    rows, so its grid (B, n_kv_heads, num_splits) and num_splits (default_num_splits of B, n_kv_heads, W and the
+    SM count) are one per bucket, what a captured launch needs; the padding rows (length 1, table [spare block, -1,
+    ...]) and the table columns past each row's length (stale or -1) are read as they must be."""
+    import ppo_core.static_decode as static_module
+
+    model = tiny(name)
+    prompts, budgets = grouped_prompts()[:6], [2, 6, 4, 1, 6, 3]
+    expected = RolloutEngine(model, block_size=4).generate(prompts, budgets, greedy=True)
+    monkeypatch.setenv("PPO_KERNELS_BACKEND", "triton")
+    launches = []
+    kernel = static_module.paged_decode_attention
+
+    def recording(q, k_cache, v_cache, tables, lengths, window):
+        launches.append((q.shape[0], tuple(tables.shape), tuple(lengths.shape), window))
+        return kernel(q, k_cache, v_cache, tables, lengths, window)
+
+    monkeypatch.setattr(static_module, "paged_decode_attention", recording)
+    engine = RolloutEngine(model, block_size=4, static_decode=True)
+    assert engine.generate(prompts, budgets, greedy=True) == expected
+    W = -(-max(len(p) + b for p, b in zip(prompts, budgets)) // 4)
+    assert len(launches) == engine.stats["static_steps"] * model.args.num_hidden_layers > 0
+    assert all(tables == (B, W) and lengths == (B,) and B == decode_bucket(B) for B, tables, lengths, _ in launches)
+    assert len({B for B, *_ in launches}) >= 3  # 8, then fewer as sequences leave
+    if name == "olmo3":
+        assert {window for *_, window in launches} == {None, 5}  # the full and the sliding group
+
+
+def cuda_graph_model(name):
+    """tiny(name) on the GPU; "qwen3 lora": with LoRA adapters (frozen base weights: their autocast casts are not
+    cached, so every replay recomputes them inside the graph)."""
+    from ppo_core import lora
+
+    model = tiny(name.split()[0])
+    if name.endswith("lora"):
+        lora.add_lora(model, 4, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0, 0.5)
+    return model.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["olmo3", "qwen3 lora"])
+def test_cuda_graph_decode_steps_give_the_tokens_of_the_eager_steps(name):
+    """Under bf16 autocast with fp32 weights (the trainer's rollout): the decode-only steps replayed as CUDA graphs
+    (one captured per bucket) give the tokens and log-probs of the same static steps run eagerly, greedy and sampled;
+    in float32, the greedy tokens of the dynamic steps (other kernels' shapes: other num_splits, other row counts)."""
+    model = cuda_graph_model(name)
+    prompts = grouped_prompts()
+    for greedy in (True, False):
+        kw = dict(greedy=greedy, seed=3, return_logprobs=True)
+        eager = RolloutEngine(model, block_size=4, cuda_graphs=False, static_decode=True)
+        graphs = RolloutEngine(model, block_size=4)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            tokens, logprobs = eager.generate(prompts, BUDGETS, **kw)
+            graph_tokens, graph_logprobs = graphs.generate(prompts, BUDGETS, **kw)
+        assert graph_tokens == tokens, greedy
+        torch.testing.assert_close(torch.tensor(sum(graph_logprobs, [])), torch.tensor(sum(logprobs, [])), rtol=0,
+                                   atol=1e-6)
+        s = graphs.stats
+        assert s["cuda_graphs"] == "on" and eager.stats["cuda_graphs"] == "off: cuda_graphs=False"
+        assert s["graph_replays"] == s["static_steps"] == eager.stats["static_steps"] > 0
+        assert 1 <= s["graph_captures"] <= 5  # buckets 16, 8, 4, 2, 1 at most, each captured once in the call
+    dynamic = RolloutEngine(model, block_size=4, cuda_graphs=False).generate(prompts, BUDGETS, greedy=True)
+    assert RolloutEngine(model, block_size=4).generate(prompts, BUDGETS, greedy=True) == dynamic

@@ -21,6 +21,9 @@ bookkeeping, so on a CPU-only build each backward is replaced by fake zero gradi
 kernels are followed only on a CUDA build (where the rest runs as well). torch.autocast("cuda") turns itself off
 without CUDA, so `fake_cuda_autocast` sets its state directly.
 
+The rollout engine's decode-only steps on ppo_core.static_decode's fixed-shape buffers (what its CUDA graphs
+capture; the capture itself needs a GPU) are audited the same way on their own (`audit_static_decode`).
+
 Two processes: a process group whose only backend serves CUDA tensors is what `init_process_group("nccl")`
 gives, and torch's fake process group ("cuda:fake", torch.testing._internal.distributed.fake_pg) is such a group
 on a CPU build: a collective on a CPU tensor raises "No backend type associated with device type cpu", as under
@@ -251,7 +254,7 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1, packed=False):
     # Device reads of the loop's files in the update, per optimizer step: the statistics in one read, then the finite
     # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
     ours = [r for r in audit.device_reads if r.startswith(LOOP_FILES)]
-    n_stats = len(MB_STATS) + 3  # sums, token count, first and max ratio deviation: one .tolist()
+    n_stats = len(MB_STATS) + 4  # sums, token count, first and max ratio deviation, largest behaviour gap: one .tolist()
     n_norms = 2  # the policy's and the critic's gradient norm: one .tolist()
     assert ours == (["update.py:_read_step_stats"] * n_stats + ["update.py:step"] * n_norms) * 2, ours
     others = sorted(set(r for r in rollout_reads + audit.device_reads if not r.startswith(LOOP_FILES)))
@@ -293,6 +296,30 @@ def test_the_audit_catches_what_fake_tensors_let_through(tmp_path):
     assert proc.stdout.split() == ["ok"], proc.stdout
 
 
+def test_the_engine_static_decode_steps_on_fake_cuda_mix_no_devices(tmp_path):
+    proc = run_audit("static", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.split() == ["ok"], proc.stdout
+
+
+def audit_static_decode():
+    """The rollout engine's decode-only steps on ppo_core.static_decode's fixed-shape buffers, forced on (the graphs
+    need the Triton backend, which fake tensors cannot launch), under bf16 autocast: every buffer on the device and
+    no op mixing devices. Capturing and replaying the graphs needs a real GPU (tests/test_engine.py's GPU tier)."""
+    from ppo_core.engine import RolloutEngine
+
+    os.environ["PPO_KERNELS_BACKEND"] = "torch"
+    policy = load_model(train.DEMO_CHECKPOINT)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    to_fake_cuda(policy, mode)
+    engine = RolloutEngine(policy, kv_cache_gb=1, block_size=4, static_decode=True)
+    with mode, DeviceAudit(), fake_cuda_autocast():
+        tokens, logprobs = engine.generate([[1, 5, 9], [1, 7], [2, 3, 4, 5, 6, 7]], [6, 3, 5], return_logprobs=True)
+    assert [len(t) for t in tokens] == [6, 3, 5]
+    s = engine.stats
+    assert s["static_steps"] >= 4 and s["cuda_graphs"].startswith("off: PPO_KERNELS_BACKEND=torch"), s
+
+
 def audit_catches_what_fake_tensors_let_through():
     """A 0-dim CPU tensor stacked with CUDA ones passes FakeTensorMode but raises on a real GPU: the audit raises."""
     with FakeTensorMode():
@@ -310,6 +337,8 @@ if __name__ == "__main__":  # python tests/test_fake_cuda.py TMP_DIR CASE...   (
     for case in sys.argv[2:]:
         if case == "catches":
             audit_catches_what_fake_tensors_let_through()
+        elif case == "static":
+            audit_static_decode()
         elif case == "w2":
             join_cuda_only_group(world=2)
             audit_one_iteration(True, False, True, world=2)
