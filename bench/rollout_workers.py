@@ -2,14 +2,17 @@
 (max_staleness=1), against today's loop on the same two processes (DDP, both roles on both).
 
     python bench/rollout_workers.py                # SmolLM2-135M shape, random weights, 2 processes x 1 thread (~8 min)
+    python bench/rollout_workers.py --batch 8 --samples 4 --new 128   # a shape where the trainer's work dominates
     python bench/rollout_workers.py --tiny         # the same at a toy shape, a minute
 
 Each run is `ppo-train` under torchrun (2 processes, OMP_NUM_THREADS=1 each: the 2 cores) on a scratch checkpoint
 (bench/e2e.py's: random weights with EOS and pad made unsampleable, so every response has exactly --new tokens), a
 prompts file of --prompt-token prompts, and a reward function (the response's length in characters, cheap on purpose:
 the roles' work is the model's). By default GRPO (no critic: the trainer's passes are the old and reference log-probs
-and the policy's update), --batch 8 responses in groups of 4, 128 new tokens each, lr 1e-6: a shape where decoding
-(128 steps at batch 8) and training take comparable time on this CPU; one epoch of one minibatch, float32,
+and the policy's update), --batch 2 responses in a group of 2, 256 new tokens each, lr 1e-6: a shape where decoding
+(256 steps at batch 2, about 8 s here) and training (about 11 s) take comparable time on this CPU, as long
+chain-of-thought responses at a small batch do (at 8 x 128 tokens the trainer's work is four times the rollout's,
+and overlapping can hide only the smaller part); one epoch of one minibatch, float32,
 --iterations iterations; the table takes the median of the iterations after the first (warm-up) from metrics.jsonl:
   s / iteration    time/rollout_s + time/train_s on the trainer (its whole iteration);
   trainer idle     the share of that the trainer spent waiting for a rollout (time/trainer_wait_s and, one update
@@ -73,13 +76,13 @@ def median(rows, key, default=0.0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8, help="responses per iteration")
-    parser.add_argument("--samples", type=int, default=4, help="responses per prompt (a group)")
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=2, help="responses per iteration")
+    parser.add_argument("--samples", type=int, default=2, help="responses per prompt (a group)")
     parser.add_argument("--estimator", default="grpo")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="ppo-workers-")

@@ -229,7 +229,8 @@ def save_sharded(path, roles: dict):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    dcp.save(_sharded_tensors(roles), storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+    dcp.save(_sharded_tensors(roles), storage_writer=HuggingFaceStorageWriter(path, save_distributed=True),
+             process_group=dist.role_group())  # the trainers (beside rollout workers), else every process
 
 
 def load_sharded(path, roles: dict):
@@ -254,7 +255,7 @@ def load_sharded(path, roles: dict):
                if f"{role}.{n}" not in saved]
     if missing:
         raise CheckpointError(f"sharded checkpoint {path} lacks {sorted(missing)[:3]}")
-    dcp.load(template, storage_reader=HuggingFaceStorageReader(path))
+    dcp.load(template, storage_reader=HuggingFaceStorageReader(path), process_group=dist.role_group())
     for role, (model, opt) in roles.items():
         params = dict(model.named_parameters())
         state = {}

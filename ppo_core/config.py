@@ -279,15 +279,16 @@ class PPOConfig:
     is no longer exactly 1 (reported as policy/first_ratio_max_dev). False = recompute them exactly."""
     rollout_ranks: int = 0
     """Under torchrun: how many processes are rollout workers (ppo_core.rollout_worker: the last ones), sampling and
-    scoring while the others train; 0 = every process does both in turn. For now exactly one worker beside one
-    trainer (2 processes), no filter_groups, no LoRA, no pairwise judge. With max_staleness=1 the two overlap."""
+    scoring while the others train (DDP or FSDP among themselves); 0 = every process does both in turn. The workers
+    split a rollout's rows as data-parallel processes do (LoRA: the adapters travel with the weights; a pairwise judge:
+    each worker holds the frozen reference too). With max_staleness=1 the roles overlap."""
     max_staleness: int = 0
     """0: each iteration trains on a rollout its own starting weights sampled (the synchronous loop). 1: one-step
     off-policy, as rollout workers one update behind sample: iteration i trains on the rollout sampled with the
     weights iteration i-1 started from, and samples iteration i+1's with its own before updating (the first trains on
-    its own). In one process the two take turns: no overlap (that needs rollout workers, not built yet); the
+    its own). In one process the two take turns (rollout workers overlap them: rollout_ranks); the
     checkpoint holds the rollout sampled but not yet trained on, so a resume is exact. Pair with
-    off_policy_correction. One process only, no filter_groups."""
+    off_policy_correction. One process, or rollout workers beside any number of trainers."""
     off_policy_correction: str = "none"
     """Correct the update for the sampler not being the policy the update starts from (its numerics: decoding runs
     other kernels, bf16 weights, a KV cache; and stale weights, with rollout workers): the rollout records its own
@@ -316,8 +317,9 @@ class PPOConfig:
     """The paged engine's KV-cache budget in GiB; 0 = the default: 4 on the CPU, 80% of the GPU memory free when a
     rollout starts. A call allocates only what its sequences can hold at once and frees it when it returns."""
     cuda_graph: bool = True
-    """With rollout_engine='padded': capture the decode step as a CUDA graph on CUDA devices (one launch per token);
-    ignored on the CPU and by the paged engine."""
+    """Decode through CUDA graphs on CUDA devices (one launch per token): rollout_engine='padded' captures its static
+    decode step; 'paged' replays its decode-only steps, one graph per batch bucket (ppo_core.static_decode; not for an
+    FSDP-sharded policy). Ignored on the CPU."""
     parallel: str = "ddp"
     """With more than one process (torchrun): 'ddp' replicates policy and critic (DistributedDataParallel);
     'fsdp' shards them with FSDP2 (fully_shard per decoder block, sharded checkpoints for resume)."""
@@ -495,14 +497,7 @@ def validate(cfg: PPOConfig):
         need(cfg.policy_loss_kind == "ppo", "off_policy_correction", "weights PPO's token-level surrogate (not GSPO's)")
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
     need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
-    need(cfg.rollout_ranks in (0, 1), "rollout_ranks", "must be 0 or 1 (one rollout worker beside one trainer, for now)")
-    if cfg.rollout_ranks:
-        need(not cfg.filter_groups, "rollout_ranks", "does not combine with filter_groups yet")
-        need(not cfg.lora_rank, "rollout_ranks", "does not combine with LoRA yet")
-        need(not (cfg.judge_mode == "pairwise" and (cfg.judge or cfg.reward_url)), "rollout_ranks",
-             "does not combine with a pairwise judge's reference samples yet")
-    if cfg.max_staleness:
-        need(not cfg.filter_groups, "max_staleness", "does not combine with filter_groups yet")
+    need(cfg.rollout_ranks >= 0, "rollout_ranks", "must be >= 0")
     need(0 < cfg.off_policy_band_low <= 1 <= cfg.off_policy_band_high, "off_policy_band_low",
          "and off_policy_band_high must satisfy 0 < low <= 1 <= high")
     need(cfg.off_policy_mask_level in ("token", "sequence"), "off_policy_mask_level", "must be token or sequence")

@@ -25,6 +25,7 @@ bf16, numerics no single process uses) and reduces gradients in fp32. The price 
 bytes of bf16 parameters.
 """
 import contextlib
+import datetime
 import os
 
 import torch
@@ -33,10 +34,18 @@ import torch.distributed as dist
 
 _device = torch.device("cpu")  # the loop's device, set by init: where this module's own tensors live
 _group = None  # this process's role's group (split_roles): every helper below works within it; None = all processes
+_weights_group = None  # the first trainer and the rollout workers (split_roles): the weights' broadcast
 
 
-def init(device_kind: str):
-    """Join the process group when launched by torchrun. Returns (rank, world_size, device)."""
+ROLES_TIMEOUT = datetime.timedelta(hours=4)
+"""How long a collective or message may wait with rollout workers (split_roles): a worker waits through the trainers'
+whole update (max_staleness=0) and, at the end, their final evaluation and checkpoint; the default (30 minutes with
+gloo, 10 with NCCL) could end a large run there."""
+
+
+def init(device_kind: str, roles=False):
+    """Join the process group when launched by torchrun. roles: rollout workers will split the job
+    (ROLES_TIMEOUT). Returns (rank, world_size, device)."""
     global _device
     _device = torch.device("cpu")
     if device_kind == "cuda":
@@ -46,7 +55,8 @@ def init(device_kind: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         # NCCL for CUDA tensors and gloo for CPU ones: NCCL alone cannot reduce a CPU tensor
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo",
+                                timeout=ROLES_TIMEOUT if roles else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return rank, world, _device
@@ -55,16 +65,34 @@ def init(device_kind: str):
 def split_roles(rollout_ranks: int) -> str:
     """With rollout workers (config rollout_ranks): the last `rollout_ranks` processes roll out (ppo_core.rollout_worker)
     and the others train, each role in a process group of its own, which every helper here then works within (a
-    trainer's world_size() counts the trainers). Every process calls it, once, after init. -> "train" or "rollout"."""
-    global _group
-    if not rollout_ranks or not dist.is_initialized():
-        return "train"
+    trainer's world_size() counts the trainers); a third group, the first trainer and the workers, carries the
+    weights (weights_group). Every process calls it, once, after init. -> "train" or "rollout"."""
+    global _group, _weights_group
+    if not rollout_ranks or not dist.is_initialized() or dist.get_world_size() <= rollout_ranks:
+        return "train"  # (no trainer left: ppo_core.train refuses the job with one line)
     world = dist.get_world_size()
     trainers, workers = list(range(world - rollout_ranks)), list(range(world - rollout_ranks, world))
-    groups = [dist.new_group(trainers), dist.new_group(workers)]  # every process creates every group, in this order
+    # every process creates every group, in this order
+    groups = [dist.new_group(trainers, timeout=ROLES_TIMEOUT), dist.new_group(workers, timeout=ROLES_TIMEOUT)]
+    _weights_group = dist.new_group([0] + workers, timeout=ROLES_TIMEOUT)
     mine = 0 if dist.get_rank() in trainers else 1
     _group = groups[mine]
     return ("train", "rollout")[mine]
+
+
+def role_group():
+    """This process's role's group (split_roles), None = every process: for collectives made elsewhere (checkpoints)."""
+    return _group
+
+
+def weights_group():
+    """The first trainer and the rollout workers (split_roles): the group the weights are broadcast in."""
+    return _weights_group
+
+
+def device():
+    """The loop's device (init): where collectives of CUDA tensors run (NCCL) and of CPU ones (gloo)."""
+    return _device
 
 
 def global_rank(role_rank: int, role: str, rollout_ranks: int) -> int:
@@ -147,10 +175,14 @@ def shard(model, device, *, root=True, cpu_offload=False):
     root=False leaves those replicated (a frozen model whose head runs outside forward, e.g. score()).
     Parameters are all-gathered in their own dtype and gradients reduced in fp32 (see the module docstring:
     the same numerics as one process). cpu_offload: shards, gradients and optimizer state in CPU memory."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mesh": init_device_mesh(device.type, (world_size(),)),
+    # the role's own processes (the trainers beside rollout workers: a mesh made from the group, since a new mesh
+    # over all processes would wait for the workers to join it)
+    mesh = (DeviceMesh.from_group(_group, device.type) if _group is not None
+            else init_device_mesh(device.type, (world_size(),)))
+    kwargs = {"mesh": mesh,
               "mp_policy": MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -227,6 +259,13 @@ def local_tensor(t):
 def barrier():
     if dist.is_initialized():
         dist.barrier(group=_group)
+
+
+def job_barrier():
+    """Every process of the job, whatever its role: with rollout workers, the roles leave together at the end (a
+    worker that tore its process groups down while the trainers still ran sometimes aborted in gloo's teardown)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def shutdown():

@@ -210,7 +210,7 @@ def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id,
     generator's): every caller seeds its generator for the call (the iteration and batch, an evaluation's seed), and
     the engine's noise is a function of (seed, global row, token index) alone. rows = (offset, global batch) numbers these rows in the global batch."""
     device = next(policy.parameters()).device
-    engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None)
+    engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None, cuda_graphs=cfg.cuda_graph)
     first = rows[0] if rows is not None else 0
     out = engine.generate(encoded, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           greedy=greedy, eos_token_id=eos,
@@ -353,7 +353,7 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     first = rows[0] if rows is not None else 0
     seed = generator.initial_seed() if generator is not None else torch.initial_seed()
     with dist.gathered(policy), autocast():
-        engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None)
+        engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None, cuda_graphs=cfg.cuda_graph)
         episodes = run_episodes(engine, tokenizer, envs, prompt_rows, max_new_tokens=cfg.max_new_tokens,
                                 max_turn_tokens=cfg.max_turn_tokens or None, tools=tools,
                                 template_kwargs=episode_template_kwargs(cfg), temperature=cfg.temperature,
@@ -393,11 +393,14 @@ _SAMPLED_TENSORS = ("prompt_ids", "prompt_mask", "tokens", "response_mask", "end
                     "decode_entropy", "attended")
 
 
-def sampled_state(sampled: Sampled, group, stats) -> dict:
+def sampled_state(sampled: Sampled, group, stats, lists=True) -> dict:
     """A sampled rollout not yet trained on (cfg.max_staleness) as plain JSON for the checkpoint: tensors as nested
-    lists with their dtype (float32 values round-trip exactly through Python floats), texts and rows as they are."""
+    lists with their dtype (float32 values round-trip exactly through Python floats), texts and rows as they are.
+    lists=False: the tensors' values stay CPU tensors (the messages of ppo_core.rollout_worker; state_lists turns
+    such a state into the JSON one)."""
     def tensor(t):
-        return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."), "values": t.tolist()}
+        return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."),
+                                       "values": t.tolist() if lists else t.detach().cpu()}
     return {"rows": sampled.rows, "prompts": sampled.prompts, "responses": sampled.responses,
             "tensors": {name: tensor(getattr(sampled, name)) for name in _SAMPLED_TENSORS},
             "reward_metrics": {k: tensor(v) for k, v in sampled.reward_metrics.items()},
@@ -405,10 +408,25 @@ def sampled_state(sampled: Sampled, group, stats) -> dict:
             "stats": stats}
 
 
+def state_lists(obj):
+    """A state holding tensors (sampled_state with lists=False, in dicts and lists) as plain JSON: each tensor a list."""
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: state_lists(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [state_lists(v) for v in obj]
+    return obj
+
+
 def sampled_from_state(state: dict, device):
-    """sampled_state's inverse -> (Sampled, group, stats)."""
+    """sampled_state's inverse (either form) -> (Sampled, group, stats)."""
     def tensor(t):
-        return None if t is None else torch.tensor(t["values"], dtype=getattr(torch, t["dtype"]), device=device)
+        if t is None:
+            return None
+        if isinstance(t["values"], torch.Tensor):
+            return t["values"].to(device)
+        return torch.tensor(t["values"], dtype=getattr(torch, t["dtype"]), device=device)
     tensors = {name: tensor(t) for name, t in state["tensors"].items()}
     sampled = Sampled(state["rows"], state["prompts"], state["responses"],
                       reward_metrics={k: tensor(v) for k, v in state["reward_metrics"].items()},
@@ -469,7 +487,7 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
     scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
     -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"}).
-    sample_only (cfg.max_staleness; no filter_groups): the rollout sampled and scored, not forwarded ->
+    sample_only (cfg.max_staleness, rollout workers): the rollout sampled and scored, not forwarded ->
     (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train)."""
     rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
     rows_total = rollout_rows(cfg)
@@ -513,6 +531,8 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     sampled = select_sampled([e for e, _ in kept], rows, tokenizer)
     group = torch.arange(rows_total)[local] // n
     stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
+    if sample_only:
+        return sampled, group, stats
     return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
 
 

@@ -52,7 +52,7 @@ from .remote_reward import RewardUnavailable
 from .reward_source import make_reward_source
 from .rewards import RewardError
 from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, rollout_forward,
-                      sample_rows, sampled_from_state, sampled_state, with_reference_responses)
+                      sample_rows, sampled_from_state, sampled_state, state_lists, with_reference_responses)
 from .tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .tokenizer import UnknownTextError, load_tokenizer
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
@@ -71,7 +71,8 @@ def run(cfg: PPOConfig, resume_from=None):
     policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
     precision = resolve_precision(cfg)
     autocast = precision.autocast
-    rank, world, device = dist.init(precision.device)
+    rank, world, device = dist.init(precision.device, roles=bool(cfg.rollout_ranks))
+    check_roles(cfg)
     if dist.split_roles(cfg.rollout_ranks) == "rollout":  # a rollout worker: it samples, the others train
         return serve_rollouts(cfg, policy_path, device, precision)
     world = dist.world_size()  # the trainers
@@ -101,7 +102,8 @@ def run(cfg: PPOConfig, resume_from=None):
         return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy, autocast=autocast)
     ckpts = Checkpoints(cfg, run_dir, log, tracker, policy, critic, tokenizer, opts,
                         {"sample": sample_gen, "shuffle": shuffle_gen}, kl_ctl, stream)
-    workers = RolloutClient(cfg, policy, stream) if cfg.rollout_ranks else None
+    workers = (RolloutClient(cfg, policy, stream, tokenizer.pad_token_id, wire_autocast(precision))
+               if cfg.rollout_ranks else None)
     state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
 
     if ckpt is not None:
@@ -164,6 +166,8 @@ def run(cfg: PPOConfig, resume_from=None):
     run_dir.write_summary(summary)
     log.close(), tracker.close()
     log.table(summary, cfg)
+    if cfg.rollout_ranks:
+        dist.job_barrier()  # the workers wait here for the trainers (serve_rollouts)
     return summary
 
 
@@ -173,9 +177,23 @@ def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
     tokenizer = load_tokenizer(policy_path)
     _, _, stream = prompt_rows(cfg)
     policy = load_model(policy_path, dtype=precision.param_dtype, device=device).eval()
+    if cfg.lora_rank:  # the trainers' adapters: their values arrive with the weights
+        lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha or None)
+    reference = policy  # what only a pairwise judge's reference samples read (with_reference_responses):
+    if needs_reference_responses(cfg) and (cfg.reference or not cfg.lora_rank):  # else the policy, adapters off
+        reference = load_model(cfg.reference or policy_path, dtype=precision.param_dtype, device=device).eval()
     reward_source = make_reward_source(cfg, device, precision.param_dtype)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # reseeded per iteration by iteration_rollout
-    return rollout_worker.serve(cfg, policy, policy, tokenizer, stream, reward_source, sample_gen, precision.autocast)
+    rollout_worker.serve(cfg, policy, reference, tokenizer, stream, reward_source, sample_gen, precision.autocast,
+                         wire_autocast(precision))
+    dist.job_barrier()  # until the trainers are done too (run)
+    return {}
+
+
+def wire_autocast(precision):
+    """The autocast dtype the block weights may travel to the rollout workers in (rollout_worker.wire_dtypes):
+    bf16-mixed's, where float32 master weights feed bf16 matmuls; None otherwise."""
+    return precision.autocast_dtype if precision.param_dtype == torch.float32 else None
 
 
 def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast):
@@ -189,9 +207,12 @@ def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, rewar
     pending = state.pop("pending_rollout", None)
     sampled, group, stats = (sampled_from_state(pending, device) if pending is not None
                              else iteration_rollout(it, *args, sample_only=True))
-    if it + 1 < cfg.iterations:
-        state["pending_rollout"] = sampled_state(*iteration_rollout(it + 1, *args, sample_only=True))
-    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, dict(stats)
+    staleness = it - pending.get("weights_version", it - 1) if pending is not None else 0
+    if it + 1 < cfg.iterations:  # sampled with the weights iteration it starts from: version it
+        state["pending_rollout"] = dict(sampled_state(*iteration_rollout(it + 1, *args, sample_only=True)),
+                                        weights_version=it)
+    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended,
+            dict(stats, **{"off_policy/staleness": staleness}))
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -201,13 +222,21 @@ def check_process_count(cfg: PPOConfig, world):
     if rollout_rows(cfg) % world or cfg.minibatch_size % world:
         raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
                           f"multiples of the number of processes ({world})")
-    if cfg.rollout_ranks and (world != 1 or dist.job_size() != cfg.rollout_ranks + 1):
-        raise ConfigError(f"config key 'rollout_ranks': {cfg.rollout_ranks} rollout worker(s) need one trainer beside them: "
-                          f"run under torchrun --nproc-per-node={cfg.rollout_ranks + 1} (this job has "
-                          f"{dist.job_size()} process(es))")
-    if cfg.max_staleness and world > 1:
-        raise ConfigError("config key 'max_staleness': one process only for now (its checkpoint holds one process's "
-                          "pending rollout)")
+    if cfg.max_staleness and world > 1 and not cfg.rollout_ranks:
+        raise ConfigError("config key 'max_staleness': without rollout workers, one process only for now (its "
+                          "checkpoint holds one process's pending rollout)")
+
+
+def check_roles(cfg: PPOConfig):
+    """With rollout workers, at least one process must be left to train. Every process checks it, workers too, so
+    that a job refused here ends on every process with the same line."""
+    if cfg.rollout_ranks and dist.job_size() <= cfg.rollout_ranks:
+        raise ConfigError(f"config key 'rollout_ranks': {cfg.rollout_ranks} rollout worker(s) need a trainer beside "
+                          f"them: run under torchrun with more than {cfg.rollout_ranks} process(es) (this job has "
+                          f"{dist.job_size()})")
+    if cfg.rollout_ranks and rollout_rows(cfg) % cfg.rollout_ranks:
+        raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'rollout_ranks': the "
+                          f"{rollout_rows(cfg)} rows of a rollout must split evenly over {cfg.rollout_ranks} rollout workers")
 
 
 def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
@@ -515,8 +544,8 @@ class Checkpoints:
                                                    "last_kl": state["last_kl"], "elapsed_s": self.elapsed(),
                                                    **({"pending_metrics": state["pending_metrics"]}
                                                       if "pending_metrics" in state else {}),
-                                                   **{k: state[k] for k in ("pending_rollout", "pending_worker_idle_s")
-                                                      if k in state}},
+                                                   **({"pending_rollout": state_lists(state["pending_rollout"])}
+                                                      if "pending_rollout" in state else {})},
                                             keep=self.cfg.keep_checkpoints)
 
     def close(self):

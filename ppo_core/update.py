@@ -145,6 +145,7 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
                                                    num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
     if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
         stats["behav_gap"] = off_stats["behav_gap_mean"]
+        stats["behav_gap_max"] = off_stats["behav_gap_max"]
         stats["corrected_frac"] = off_stats[CORRECTED_FRAC[cfg.off_policy_correction]]
     # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
     pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
@@ -176,7 +177,7 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
         rollout = every_process_rows(rollout)
         lengths = rollout.host_mask.sum(-1).tolist()  # [b*world] real tokens per row
     stats: dict[str, list] = {}
-    first_ratio_dev, ratio_max_dev, steps, stopped = None, 0.0, 0, False
+    first_ratio_dev, ratio_max_dev, behav_gap_max, steps, stopped = None, 0.0, 0.0, 0, False
     for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(b * world, generator=generator)  # [b*world] CPU, the same on every process
         for start in range(0, b * world, cfg.minibatch_size):
@@ -196,12 +197,13 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
                 chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
             sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, chunks, n_micro, cfg, kl_coef,
                                                            autocast, train_policy)
-            values, tokens, (first_dev, max_dev) = _read_step_stats(sums, counts, ratio_devs)
+            values, tokens, (first_dev, max_dev, gap_max) = _read_step_stats(sums, counts, ratio_devs)
             for name, value, per_token in zip(MB_STATS, values, MB_STATS_PER_TOKEN):
                 _append(stats, name, value / tokens if per_token else value)
             if first_ratio_dev is None:
                 first_ratio_dev = first_dev
             ratio_max_dev = max(ratio_max_dev, max_dev)
+            behav_gap_max = max(behav_gap_max, gap_max)
             for name, norm in step_fn(train_policy).items():
                 _append(stats, name, norm)
             steps += 1
@@ -221,6 +223,8 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
         # is 1 up to the order of the log-sum-exp (bit-exact for the CPU demo: ~1e-6 at large vocabularies); on a GPU,
         # kernels picked by batch shape (cuBLAS, SDPA) make it ~1e-3 off under bf16 autocast
         out["policy/first_ratio_max_dev"] = first_ratio_dev
+        if cfg.off_policy_correction != "none":  # the largest |log pi_old - log mu| of any token the update saw
+            out["off_policy/behav_gap_max"] = behav_gap_max
     return out
 
 
@@ -254,7 +258,8 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
     Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
     float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
     global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
-    sequence counts) and ratio_devs [2] (max |ratio - 1| of the processes' first micro-batches, and of all of them)."""
+    sequence counts) and ratio_devs [3] (max |ratio - 1| of the processes' first micro-batches, and of all of them;
+    the largest behaviour gap |log pi_old - log mu|, 0 without an off-policy correction)."""
     device, P = rollout.input_ids.device, rollout.prompt_len
     mask_mb = rollout.response_mask[torch.cat(chunks)] if chunks else rollout.response_mask[:0]
     # Global denominators for the whole minibatch, so the micro-batch losses of all processes
@@ -263,7 +268,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
     agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
     sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
     zero = torch.zeros((), device=device)
-    first_ratio_dev, max_ratio_dev = None, zero
+    first_ratio_dev, max_ratio_dev, max_gap = None, zero, zero
     for i in range(n_micro):
         rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
         ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
@@ -285,6 +290,8 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
             if first_ratio_dev is None:
                 first_ratio_dev = pg_stats["ratio_max_dev"].detach()
             max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
+            if "behav_gap_max" in pg_stats:
+                max_gap = torch.maximum(max_gap, pg_stats["behav_gap_max"].detach())
         if critic is not None:
             with dist.gradient_sync(critic, last):
                 with autocast():
@@ -297,7 +304,8 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
         ]).double()
     if first_ratio_dev is None:
         first_ratio_dev = zero
-    return dist.all_reduce_sum(sums), counts, dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev]))
+    return (dist.all_reduce_sum(sums), counts,
+            dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev, max_gap.to(max_ratio_dev.dtype)])))
 
 
 def every_process_rows(rollout: Rollout) -> Rollout:
@@ -313,10 +321,11 @@ def every_process_rows(rollout: Rollout) -> Rollout:
 
 
 def _read_step_stats(sums, counts, ratio_devs):
-    """The optimizer step's one read of statistics: sums, the token count and the ratio deviations copied to the
-    host together. -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev)) as Python floats."""
+    """The optimizer step's one read of statistics: sums, the token count and the maxima copied to the host together.
+    -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev, behaviour gap max)) as Python
+    floats."""
     host = torch.cat([sums, counts[:1].double(), ratio_devs.double()]).tolist()
-    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-2:])
+    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-3:])
 
 
 # the statistics summed over micro-batches and processes; the last ones are masked means times the token count

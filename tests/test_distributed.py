@@ -47,6 +47,15 @@ def assert_same_run(one, two, step):
             assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=tol), key
 
 
+def assert_identical_runs(one, two, step):
+    """Byte for byte: the same weights and every metric of `one` equal in `two` (a worker run adds its own time/ and
+    off_policy/staleness keys)."""
+    a, b = weights(one, step), weights(two, step)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for m1, m2 in zip(metrics(one), metrics(two), strict=True):
+        assert m1 == {k: v for k, v in m2.items() if k in m1}
+
+
 @pytest.fixture(scope="module")
 def token_mean_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dp")
@@ -214,37 +223,39 @@ def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
     assert_same_run(d / "one", run_dir, step=2)
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_a_rollout_worker_run_is_the_one_process_run(tmp_path, staleness):
+@pytest.mark.parametrize("staleness, dtype", [(0, "float32"), (1, "float32"), (1, "bf16-mixed")])
+def test_a_rollout_worker_run_is_the_one_process_run(tmp_path, staleness, dtype):
     """rollout_ranks=1 under torchrun: process 1 samples and scores with weights sent from the trainer, process 0
     trains. The worker samples what one process would (the same weights, the same noise), so the run equals the
     one-process run with the same max_staleness byte for byte: the synchronous loop at 0, one-step off-policy at 1
-    (there the two roles overlap)."""
-    args = ARGS + ["--iterations=3", f"--max_staleness={staleness}"] + (
-        ["--off_policy_correction=tis"] if staleness else [])
+    (there the two roles overlap). bf16-mixed: the blocks' Linear weights travel in bf16 (decoding reads only their
+    bf16 autocast copies), the rest in float32; still byte for byte, on any CPU (bf16 hardware or not)."""
+    args = [a.replace("--dtype=float32", f"--dtype={dtype}") for a in ARGS] + [
+        "--iterations=3", f"--max_staleness={staleness}"] + (["--off_policy_correction=tis"] if staleness else [])
     single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
     assert single.returncode == 0, single.stderr[-2000:]
     double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
                     tmp_path)
     assert double.returncode == 0, double.stderr[-3000:]
-    a, b = weights(tmp_path / "one", 3), weights(tmp_path / "two", 3)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for m1, m2 in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
-        assert m1 == {k: v for k, v in m2.items() if k in m1}  # the worker run adds its own time/ keys only
+    assert_identical_runs(tmp_path / "one", tmp_path / "two", step=3)
 
 
-def test_a_rollout_worker_run_killed_mid_update_resumes_identically(tmp_path):
-    """max_staleness=1 with a worker: the trainer's checkpoint holds the rollout received and not yet trained on,
-    and the worker restarts from the trainer's weights and stream: the resumed run ends byte-identical."""
-    args = ARGS + ["--iterations=3", "--max_staleness=1", "--off_policy_correction=tis", "--rollout_ranks=1"]
-    whole = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'whole'}"], tmp_path)
+@pytest.mark.parametrize("processes, parallel", [(2, "ddp"), (3, "fsdp")])
+def test_a_rollout_worker_run_killed_mid_update_resumes_identically(tmp_path, processes, parallel):
+    """max_staleness=1 with a worker: the first trainer's checkpoint holds the rollout received and not yet trained
+    on, and the worker restarts from the trainer's weights and stream: the resumed run ends byte-identical. With 3
+    processes, two FSDP trainers: their shards are saved and loaded within the trainers' group."""
+    launcher = TORCHRUN[:-1] + [f"--nproc-per-node={processes}"]
+    args = ARGS + ["--iterations=3", "--max_staleness=1", "--off_policy_correction=tis", "--rollout_ranks=1",
+                   f"--parallel={parallel}"]
+    whole = launch(launcher + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'whole'}"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run_dir = tmp_path / "run"
-    killed = launch(TORCHRUN + [str(driver), "update", "3", *args, f"--out={run_dir}"], tmp_path)
+    killed = launch(launcher + [str(driver), "update", "3", *args, f"--out={run_dir}"], tmp_path)
     assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
-    resumed = launch(TORCHRUN + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
+    resumed = launch(launcher + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = weights(tmp_path / "whole", 3), weights(run_dir, 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -255,6 +266,57 @@ def test_a_rollout_worker_needs_a_trainer_beside_it(tmp_path):
     """rollout_ranks=1 in one process (no torchrun): one line and exit status 2, before the run directory is made."""
     proc = launch([sys.executable, "-m", "ppo_core.train", "--rollout_ranks=1", f"--out={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("ppo-train: error: config key 'rollout_ranks': 1 rollout worker(s) need one trainer "
-                                   "beside them: run under torchrun --nproc-per-node=2 (this job has 1 process(es))")
+    assert proc.stderr.strip() == ("ppo-train: error: config key 'rollout_ranks': 1 rollout worker(s) need a trainer "
+                                   "beside them: run under torchrun with more than 1 process(es) (this job has 1)")
     assert not (tmp_path / "run").exists()
+
+
+def test_two_rollout_workers_beside_one_trainer_are_the_one_process_run(tmp_path):
+    """rollout_ranks=2: each worker samples half of every rollout's rows (noise per global row), the trainer merges
+    them in worker order; one update stale, with TIS. The same run as one process, byte for byte."""
+    args = ARGS + ["--iterations=2", "--max_staleness=1", "--off_policy_correction=tis"]
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    three = launch(TORCHRUN[:-1] + ["--nproc-per-node=3", "-m", "ppo_core.train", *args, "--rollout_ranks=2",
+                                    f"--out={tmp_path / 'three'}"], tmp_path)
+    assert three.returncode == 0, three.stderr[-3000:]
+    assert_identical_runs(tmp_path / "one", tmp_path / "three", step=2)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_trainers_beside_a_rollout_worker_are_the_two_process_run(tmp_path, parallel):
+    """rollout_ranks=1 under 3 processes: two trainers (DDP, or FSDP whose weights are gathered before they go to the
+    worker) and one worker that samples every row; the first trainer hands the second its half. The same run as two
+    data-parallel processes that sample their own halves (they draw the same tokens: noise per global row)."""
+    args = ARGS + ["--iterations=2", f"--parallel={parallel}"]
+    two = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    three = launch(TORCHRUN[:-1] + ["--nproc-per-node=3", "-m", "ppo_core.train", *args, "--rollout_ranks=1",
+                                    f"--out={tmp_path / 'three'}"], tmp_path)
+    assert three.returncode == 0, three.stderr[-3000:]
+    assert_identical_runs(tmp_path / "two", tmp_path / "three", step=2)
+
+
+JUDGE = os.path.join(os.path.dirname(DEMO_CHECKPOINT), "judge-demo")
+
+
+@pytest.mark.parametrize("case", ["lora", "filter_groups", "pairwise_judge"])
+def test_a_rollout_worker_run_with_lora_dynamic_sampling_or_a_pairwise_judge_is_the_one_process_run(tmp_path, case):
+    """LoRA (the worker's policy carries the same adapters; their values travel with the weights), DAPO's dynamic
+    sampling (the worker draws prompt batches until enough groups vary) and a pairwise judge (the worker samples the
+    reference responses from the frozen reference) on a rollout worker, one update stale: byte for byte the
+    one-process run."""
+    args = ARGS + ["--iterations=2", "--max_staleness=1", "--off_policy_correction=tis"] + {
+        "lora": ["--lora_rank=4", "--lr=1e-3"],
+        "filter_groups": ["--adv_estimator=grpo", "--n_samples_per_prompt=4", "--rollout_batch_size=4",
+                          "--filter_groups", "--filter_groups_max_batches=2"],
+        "pairwise_judge": [f"--judge={JUDGE}", "--judge_mode=pairwise", "--judge_max_new_tokens=24",
+                           "--adv_estimator=grpo", "--n_samples_per_prompt=2", "--rollout_batch_size=8"]}[case]
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
+                    tmp_path)
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_identical_runs(tmp_path / "one", tmp_path / "two", step=2)
+    if case == "filter_groups":  # the second prompt batch was drawn at least once
+        assert any(m["filter/batches"] == 2 for m in metrics(tmp_path / "one"))

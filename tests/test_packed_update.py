@@ -93,7 +93,7 @@ def gradients(cfg, policy, critic, rollout, chunks, n_micro):
     grads = {f"policy.{n}": p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     if use_critic is not None:
         grads.update({f"critic.{n}": p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
-    return grads, sums, counts
+    return grads, sums, counts, devs
 
 
 VARIANTS = [dict(loss_agg=agg) for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -124,7 +124,7 @@ def test_update_gradients_packed_equal_padded_to_float64_rounding(variant, fused
         else:
             chunks = list(torch.arange(B).split(2))
         results.append(gradients(cfg, policy, critic, rollout, chunks, len(chunks)))
-    (g_pad, s_pad, c_pad), (g_pack, s_pack, c_pack) = results
+    (g_pad, s_pad, c_pad, _), (g_pack, s_pack, c_pack, _) = results
     assert g_pad.keys() == g_pack.keys() and len(g_pad) > 10
     for name in g_pad:
         assert_close_grad(g_pack[name], g_pad[name], name)
@@ -194,7 +194,12 @@ def test_off_policy_correction_fused_equals_reference_and_is_exact_on_policy(cor
         rollout.behav_logprobs = (rollout.old_logprobs + 0.4 * noise) * rollout.response_mask  # mu != pi_old
         runs[fused] = gradients(cfg, policy, critic, rollout, list(torch.arange(B).split(2)), B // 2)
         assert runs[fused][1][MB_STATS.index("off_policy/corrected_frac")] > 0  # some tokens truncated or dropped
-    (g_fused, s_fused, _), (g_ref, s_ref, _) = runs[True], runs[False]
+        # the largest gap |log pi_old - log mu| over the minibatch's response tokens, a plain loop over them
+        old, behav, mask = (t.tolist() for t in (rollout.old_logprobs, rollout.behav_logprobs, rollout.response_mask))
+        gap_max = max(abs(o - m) for o_row, m_row, k_row in zip(old, behav, mask)
+                      for o, m, k in zip(o_row, m_row, k_row) if k)
+        assert runs[fused][3][2].item() == gap_max > 0
+    (g_fused, s_fused, *_), (g_ref, s_ref, *_) = runs[True], runs[False]
     changed = False
     for name in g_ref:
         assert_close_grad(g_fused[name], g_ref[name], name)
