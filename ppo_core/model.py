@@ -809,7 +809,12 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # nn.Embedding's own N(0, 1) init, skipped on the meta device (load_model builds there, then loads): there
+        # normal_ runs a Python reference that imports torch._dynamo, 1.6-1.9 s of every process's start-up
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = make_norm(args, args.hidden_size)
         self.gradient_checkpointing = False
