@@ -223,43 +223,76 @@ def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
     assert_same_run(d / "one", run_dir, step=2)
 
 
-@pytest.mark.parametrize("staleness, dtype", [(0, "float32"), (1, "float32"), (1, "bf16-mixed")])
-def test_a_rollout_worker_run_is_the_one_process_run(tmp_path, staleness, dtype):
+STALE = ARGS + ["--iterations=2", "--max_staleness=1", "--off_policy_correction=tis"]  # one update stale, with TIS
+
+
+@pytest.fixture(scope="module")
+def stale_runs(tmp_path_factory):
+    """One update stale with TIS (STALE): in one process, and under torchrun with rollout_ranks=1 (process 1 the
+    worker). -> (the directory holding both, one-process run dir, worker run dir)."""
+    d = tmp_path_factory.mktemp("stale")
+    single = launch([sys.executable, "-m", "ppo_core.train", *STALE, f"--out={d / 'one'}"], d)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *STALE, "--rollout_ranks=1", f"--out={d / 'two'}"], d)
+    assert double.returncode == 0, double.stderr[-3000:]
+    return d, d / "one", d / "two"
+
+
+def test_a_rollout_worker_one_update_stale_is_the_one_process_run(stale_runs):
     """rollout_ranks=1 under torchrun: process 1 samples and scores with weights sent from the trainer, process 0
-    trains. The worker samples what one process would (the same weights, the same noise), so the run equals the
-    one-process run with the same max_staleness byte for byte: the synchronous loop at 0, one-step off-policy at 1
-    (there the two roles overlap). bf16-mixed: the blocks' Linear weights travel in bf16 (decoding reads only their
-    bf16 autocast copies), the rest in float32; still byte for byte, on any CPU (bf16 hardware or not)."""
-    args = [a.replace("--dtype=float32", f"--dtype={dtype}") for a in ARGS] + [
-        "--iterations=3", f"--max_staleness={staleness}"] + (["--off_policy_correction=tis"] if staleness else [])
+    trains, the two overlapping (max_staleness=1). The worker samples what one process would (the same weights, the
+    same noise), so the run equals the one-process run one update stale, byte for byte."""
+    _, one, two = stale_runs
+    assert_identical_runs(one, two, step=2)
+
+
+def test_a_rollout_worker_taking_turns_is_the_one_process_run(token_mean_runs, tmp_path):
+    """As above, for the synchronous loop (max_staleness=0: the roles take turns): the one-process run above."""
+    d, args = token_mean_runs
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
+                    tmp_path)
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_identical_runs(d / "one", tmp_path / "two", step=2)
+
+
+def test_a_rollout_worker_in_bf16_is_the_one_process_run(tmp_path):
+    """As above under bf16-mixed, one update stale: the blocks' Linear weights travel in bf16 (decoding reads only
+    their bf16 autocast copies), the rest in float32; still byte for byte, on any CPU (bf16 hardware or not)."""
+    args = [a.replace("--dtype=float32", "--dtype=bf16-mixed") for a in STALE]
     single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
     assert single.returncode == 0, single.stderr[-2000:]
     double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
                     tmp_path)
     assert double.returncode == 0, double.stderr[-3000:]
-    assert_identical_runs(tmp_path / "one", tmp_path / "two", step=3)
+    assert_identical_runs(tmp_path / "one", tmp_path / "two", step=2)
 
 
 @pytest.mark.parametrize("processes, parallel", [(2, "ddp"), (3, "fsdp")])
-def test_a_rollout_worker_run_killed_mid_update_resumes_identically(tmp_path, processes, parallel):
+def test_a_rollout_worker_run_killed_mid_update_resumes_identically(stale_runs, tmp_path, processes, parallel):
     """max_staleness=1 with a worker: the first trainer's checkpoint holds the rollout received and not yet trained
     on, and the worker restarts from the trainer's weights and stream: the resumed run ends byte-identical. With 3
     processes, two FSDP trainers: their shards are saved and loaded within the trainers' group."""
     launcher = TORCHRUN[:-1] + [f"--nproc-per-node={processes}"]
-    args = ARGS + ["--iterations=3", "--max_staleness=1", "--off_policy_correction=tis", "--rollout_ranks=1",
-                   f"--parallel={parallel}"]
-    whole = launch(launcher + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'whole'}"], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    args = STALE + ["--rollout_ranks=1", f"--parallel={parallel}"]
+    if processes == 2:  # the run of the fixture (DDP is the default)
+        whole = stale_runs[2]
+    else:
+        whole = tmp_path / "whole"
+        proc = launch(launcher + ["-m", "ppo_core.train", *args, f"--out={whole}"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run_dir = tmp_path / "run"
-    killed = launch(launcher + [str(driver), "update", "3", *args, f"--out={run_dir}"], tmp_path)
+    # killed at the trainer's 7th value-loss call: in the second iteration's update (4 micro-batch calls an
+    # iteration here), after the first checkpoint, which holds the rollout in flight
+    killed = launch(launcher + [str(driver), "update", "7", *args, f"--out={run_dir}"], tmp_path)
     assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
+    assert (run_dir / "checkpoints" / "step-1").is_dir() and not (run_dir / "checkpoints" / "step-2").exists()
     resumed = launch(launcher + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = weights(tmp_path / "whole", 3), weights(run_dir, 3)
+    a, b = weights(whole, 2), weights(run_dir, 2)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert metrics(tmp_path / "whole") == metrics(run_dir)
+    assert metrics(whole) == metrics(run_dir)
 
 
 def test_a_rollout_worker_needs_a_trainer_beside_it(tmp_path):
@@ -271,30 +304,27 @@ def test_a_rollout_worker_needs_a_trainer_beside_it(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_two_rollout_workers_beside_one_trainer_are_the_one_process_run(tmp_path):
+def test_two_rollout_workers_beside_one_trainer_are_the_one_process_run(stale_runs, tmp_path):
     """rollout_ranks=2: each worker samples half of every rollout's rows (noise per global row), the trainer merges
     them in worker order; one update stale, with TIS. The same run as one process, byte for byte."""
-    args = ARGS + ["--iterations=2", "--max_staleness=1", "--off_policy_correction=tis"]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    three = launch(TORCHRUN[:-1] + ["--nproc-per-node=3", "-m", "ppo_core.train", *args, "--rollout_ranks=2",
+    three = launch(TORCHRUN[:-1] + ["--nproc-per-node=3", "-m", "ppo_core.train", *STALE, "--rollout_ranks=2",
                                     f"--out={tmp_path / 'three'}"], tmp_path)
     assert three.returncode == 0, three.stderr[-3000:]
-    assert_identical_runs(tmp_path / "one", tmp_path / "three", step=2)
+    assert_identical_runs(stale_runs[1], tmp_path / "three", step=2)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_trainers_beside_a_rollout_worker_are_the_two_process_run(tmp_path, parallel):
+def test_two_trainers_beside_a_rollout_worker_are_the_two_process_run(fsdp_run, tmp_path, parallel):
     """rollout_ranks=1 under 3 processes: two trainers (DDP, or FSDP whose weights are gathered before they go to the
     worker) and one worker that samples every row; the first trainer hands the second its half. The same run as two
-    data-parallel processes that sample their own halves (they draw the same tokens: noise per global row)."""
-    args = ARGS + ["--iterations=2", f"--parallel={parallel}"]
-    two = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
+    data-parallel processes that sample their own halves (they draw the same tokens: noise per global row): the
+    2-process runs above (token-mean is the default loss_agg)."""
+    d, args = fsdp_run
+    args = [a for a in args if a != "--parallel=fsdp"] + [f"--parallel={parallel}"]
     three = launch(TORCHRUN[:-1] + ["--nproc-per-node=3", "-m", "ppo_core.train", *args, "--rollout_ranks=1",
                                     f"--out={tmp_path / 'three'}"], tmp_path)
     assert three.returncode == 0, three.stderr[-3000:]
-    assert_identical_runs(tmp_path / "two", tmp_path / "three", step=2)
+    assert_identical_runs(d / ("two" if parallel == "ddp" else "fsdp"), tmp_path / "three", step=2)
 
 
 JUDGE = os.path.join(os.path.dirname(DEMO_CHECKPOINT), "judge-demo")
