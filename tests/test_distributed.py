@@ -226,16 +226,22 @@ def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
 STALE = ARGS + ["--iterations=2", "--max_staleness=1", "--off_policy_correction=tis"]  # one update stale, with TIS
 
 
+def alone_and_with_a_worker(args, where):
+    """ppo-train with `args` in one process (into where/one), then under torchrun with the second process a rollout
+    worker (where/two). -> (one, two), the run directories."""
+    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={where / 'one'}"], where)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={where / 'two'}"], where)
+    assert double.returncode == 0, double.stderr[-3000:]
+    return where / "one", where / "two"
+
+
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory):
     """One update stale with TIS (STALE): in one process, and under torchrun with rollout_ranks=1 (process 1 the
     worker). -> (the directory holding both, one-process run dir, worker run dir)."""
     d = tmp_path_factory.mktemp("stale")
-    single = launch([sys.executable, "-m", "ppo_core.train", *STALE, f"--out={d / 'one'}"], d)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *STALE, "--rollout_ranks=1", f"--out={d / 'two'}"], d)
-    assert double.returncode == 0, double.stderr[-3000:]
-    return d, d / "one", d / "two"
+    return (d, *alone_and_with_a_worker(STALE, d))
 
 
 def test_a_rollout_worker_one_update_stale_is_the_one_process_run(stale_runs):
@@ -259,12 +265,7 @@ def test_a_rollout_worker_in_bf16_is_the_one_process_run(tmp_path):
     """As above under bf16-mixed, one update stale: the blocks' Linear weights travel in bf16 (decoding reads only
     their bf16 autocast copies), the rest in float32; still byte for byte, on any CPU (bf16 hardware or not)."""
     args = [a.replace("--dtype=float32", "--dtype=bf16-mixed") for a in STALE]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
-                    tmp_path)
-    assert double.returncode == 0, double.stderr[-3000:]
-    assert_identical_runs(tmp_path / "one", tmp_path / "two", step=2)
+    assert_identical_runs(*alone_and_with_a_worker(args, tmp_path), step=2)
 
 
 @pytest.mark.parametrize("processes, parallel", [(2, "ddp"), (3, "fsdp")])
@@ -342,11 +343,7 @@ def test_a_rollout_worker_run_with_lora_dynamic_sampling_or_a_pairwise_judge_is_
                           "--filter_groups", "--filter_groups_max_batches=2"],
         "pairwise_judge": [f"--judge={JUDGE}", "--judge_mode=pairwise", "--judge_max_new_tokens=24",
                            "--adv_estimator=grpo", "--n_samples_per_prompt=2", "--rollout_batch_size=8"]}[case]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={tmp_path / 'two'}"],
-                    tmp_path)
-    assert double.returncode == 0, double.stderr[-3000:]
-    assert_identical_runs(tmp_path / "one", tmp_path / "two", step=2)
+    one, two = alone_and_with_a_worker(args, tmp_path)
+    assert_identical_runs(one, two, step=2)
     if case == "filter_groups":  # the second prompt batch was drawn at least once
-        assert any(m["filter/batches"] == 2 for m in metrics(tmp_path / "one"))
+        assert any(m["filter/batches"] == 2 for m in metrics(one))
