@@ -232,7 +232,7 @@ class RolloutEngine:
                 collect_answers(block=not sched.running and not sched.waiting)
                 if not sched.running and not sched.waiting:
                     continue
-                with record_function("engine.schedule"):
+                with profiled("engine.schedule"):
                     step = sched.schedule()
                     if not step.chunks:
                         raise RuntimeError("RolloutEngine: a step with nothing to compute (the pool cannot hold one "
@@ -256,7 +256,7 @@ class RolloutEngine:
                     last = torch.cat([last, last.new_zeros(row_bucket(len(last), device) - len(last))])
                     logits = model.lm_head(hidden[last])[: len(sampling)].float()  # [S, V]
                     n_tokens = batch.n_tokens
-                with record_function("engine.sampling"):
+                with profiled("engine.sampling"):
                     seqs = [c.seq for c in sampling]
                     chosen, logprobs, entropy = sample(logits, seqs, seed, temperature, top_p, top_k, greedy,
                                                        return_logprobs, return_entropy)
@@ -335,14 +335,23 @@ def gathered_decode_attention(q, k, v, bias):
         return torch.matmul(scores.softmax(-1), v)  # [B, nkv, g, hs]
 
 
+def profiled(name):
+    """record_function(name) while a profiler runs (bench/rollout.py --profile breaks a step down by these ranges),
+    else nothing: the range itself costs about 12 us, twice per layer, when nothing records it."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
+
+
 def row_bucket(n: int, device) -> int:
-    """The row count a step's matmuls run with for n rows: on the CPU, n rounded up (to a multiple of 8 up to 128,
-    of 32 up to 1024, of 128 beyond), because oneDNN keeps a primitive (about 0.6 MB) for every row count it
-    has seen, which a continuous batch (any count from 1 to the step's budget) would otherwise grow by hundreds of
-    MB; padding costs at most 1/8 more rows. n itself elsewhere."""
+    """The row count a step's matmuls run with for n rows: on the CPU, n itself up to 16, then rounded up (to a
+    multiple of 8 up to 128, of 32 up to 1024, of 128 beyond), because oneDNN keeps a primitive (about 0.6 MB) for
+    every row count it has seen, which a continuous batch (any count from 1 to the step's budget) would otherwise
+    grow by hundreds of MB; padding costs at most 1/8 more rows. Small counts stay exact: a heavy-tailed rollout
+    ends with a long run of steps of a few sequences, and on an AVX2-only EPYC (Zen 2) a SmolLM2-135M step of 1 row
+    padded to 8 took 110 ms against 64 ms unpadded (each row adds about 5 ms there; workload B of bench/rollout.py:
+    74.4 -> 98.9 useful tokens/s). n itself elsewhere."""
     if device.type != "cpu":
         return n
-    unit = 8 if n <= 128 else 32 if n <= 1024 else 128
+    unit = 1 if n <= 16 else 8 if n <= 128 else 32 if n <= 1024 else 128
     return -(-n // unit) * unit
 
 
@@ -461,27 +470,24 @@ class StepBatch:
         g, i = self.group_of[layer], self.index_in_group[layer]
         k_pool, v_pool = pools[g][0][i], pools[g][1][i]  # [blocks, block_size, nkv, hs]
         nkv, hs = k_pool.shape[2], k_pool.shape[3]
-        with record_function("engine.cache_write"):
+        with profiled("engine.cache_write"):
             k_pool.view(-1, nkv, hs).index_copy_(0, self.slots[g], k.to(k_pool.dtype))
             v_pool.view(-1, nkv, hs).index_copy_(0, self.slots[g], v.to(v_pool.dtype))
             for source, destination, n_slots in self.copies[g]:  # copy-on-write, after the source's own writes
                 k_pool[destination, :n_slots] = k_pool[source, :n_slots]
                 v_pool[destination, :n_slots] = v_pool[source, :n_slots]
-        with record_function("engine.attention"):
+        with profiled("engine.attention"):
             q_cache = q.to(k_pool.dtype)  # attention runs in the cache's dtype (float32 under CPU autocast)
+            if self.n_single == len(q) and not self.triton:
+                # decode only, no padding rows (most CPU steps): the gathered attention's output is the output
+                return self.gathered_singles(g, q_cache, k_pool, v_pool)
             out = torch.empty_like(q_cache)  # [N + pad, nh, hs]; Attention casts it back to q's dtype
             out[self.n_tokens :] = 0  # the padding rows' (never read)
             if self.n_single and self.triton:
                 out[: self.n_single] = paged_decode_attention(q_cache[: self.n_single], k_pool, v_pool, self.tables[g],
                                                               self.seq_lens, self.windows[g])
-            elif self.n_single:  # gather each query's keys (slots fixed for the step), then two batched matmuls
-                B, nh = self.n_single, q.shape[1]
-                rows = self.single_rows[g]  # index_select: several times faster than indexing with a 2-d tensor
-                keys_k = self.gather(k_pool, rows, "k", B, nkv, hs)  # [Bs, nkv, T, hs]
-                keys_v = self.gather(v_pool, rows, "v", B, nkv, hs)
-                queries = q_cache[:B].view(B, nkv, nh // nkv, hs)  # [Bs, nkv, nh/nkv, hs]: query heads as rows
-                y = gathered_decode_attention(queries, keys_k, keys_v, self.single_visible[g])
-                out[:B] = y.reshape(B, nh, hs)
+            elif self.n_single:
+                out[: self.n_single] = self.gathered_singles(g, q_cache[: self.n_single], k_pool, v_pool)
             if self.prefills[g] is not None:  # every chunk of several tokens in one SDPA call
                 query_rows, real, out_rows, key_rows, mask = self.prefills[g]
                 nh = q.shape[1]
@@ -492,6 +498,16 @@ class StepBatch:
                 y = attention(queries, keys_k, keys_v, mask, is_causal=mask is None)  # [Bp, nh, Tmax, hs]
                 out.index_copy_(0, out_rows, y.transpose(1, 2).reshape(-1, nh, hs)[real].to(out.dtype))
         return out
+
+    def gathered_singles(self, g, q, k_pool, v_pool):
+        """The one-token sequences' attention on the CPU: gather each query's visible keys and values (the slots fixed
+        for the step), then two batched matmuls. q [Bs, nh, hs] -> [Bs, nh, hs]."""
+        (B, nh, hs), nkv = q.shape, k_pool.shape[2]
+        rows = self.single_rows[g]  # index_select: several times faster than indexing with a 2-d tensor
+        keys_k = self.gather(k_pool, rows, "k", B, nkv, hs)  # [Bs, nkv, T, hs]
+        keys_v = self.gather(v_pool, rows, "v", B, nkv, hs)
+        queries = q.view(B, nkv, nh // nkv, hs)  # [Bs, nkv, nh/nkv, hs]: a kv head's query heads as rows
+        return gathered_decode_attention(queries, keys_k, keys_v, self.single_visible[g]).view(B, nh, hs)
 
     def gather(self, pool, rows, name, B, nkv, hs):
         """The pool's rows `rows` (of the pool seen as [slots x nkv, hs]) into scratch buffer `name`, as

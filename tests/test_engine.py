@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ppo_core
-from ppo_core.engine import RolloutEngine
+from ppo_core.engine import RolloutEngine, row_bucket
 from ppo_core.generate import counter_uniforms
 from ppo_core.kv_blocks import BlockPool, prefix_key
 from ppo_core.scheduler import Chunk, Scheduler, Sequence, Step
@@ -212,6 +212,20 @@ def test_engine_samples_the_tokens_of_generate_at_the_same_noise(name, greedy):
     assert tokens == expected
     torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2e-5)
     assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats["useful_tokens"] == 12 * len(prompts)
+
+
+def test_cpu_steps_run_small_row_counts_exactly_and_pad_larger_ones_to_a_few_shapes():
+    """row_bucket, hand-worked: exact up to 16 rows, then multiples of 8, 32, 128; and a step padded that way (20
+    sequences decoding: 24 rows, 4 of them padding written to the spare block) samples what generate does."""
+    cpu = torch.device("cpu")
+    assert [row_bucket(n, cpu) for n in (1, 2, 7, 16, 17, 24, 25, 128, 129, 1024, 1025)] == \
+        [1, 2, 7, 16, 24, 24, 32, 128, 160, 1024, 1152]
+    assert row_bucket(17, torch.device("meta")) == 17
+    model = tiny("qwen3")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 131, (n,), generator=g).tolist() for n in [2, 3, 5] * 6 + [4, 4]]  # 20
+    expected = reference(model, prompts, 5, seed=7)
+    assert RolloutEngine(model, block_size=4).generate(prompts, 5, seed=7) == expected
 
 
 @pytest.mark.parametrize("name", ["qwen3", "olmo3"])
