@@ -8,6 +8,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import background  # noqa: E402
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -45,3 +47,18 @@ def poisoned_empty():
     yield
     torch.use_deterministic_algorithms(deterministic)
     torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start the long runs that the selected tests' fixtures read, on the background lane (tests/background.py)."""
+    starters = {}
+    for item in items:
+        for fixture, starter in getattr(getattr(item, "module", None), "BACKGROUND", {}).items():
+            if fixture in getattr(item, "fixturenames", ()):
+                starters[starter] = None
+    for starter in starters:
+        starter()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    background.stop()

@@ -3,13 +3,16 @@ Parquet file reaches a reward function that checks it, the function's own metric
 TensorBoard get the rollout, and a reward function returning a dict of scores stops the run with one line. On the
 `arith` task, a reward function checking the answer column trains the shipped checkpoint to a higher held-out
 exact-match accuracy, with PPO (JSONL) and with GRPO (Parquet)."""
+import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 
+import background
 from ppo_core.tasks import eval_prompts
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -111,25 +114,52 @@ def exact_match(prompts, responses, answer):
 '''
 
 
-@pytest.mark.parametrize("kind, estimator", [("jsonl", ["--adv_estimator=gae"]),
-                                             ("parquet", ["--adv_estimator=grpo", "--n_samples_per_prompt=8",
-                                                          "--rollout_batch_size=16"])])
-def test_answer_column_reward_raises_held_out_exact_match_on_arith(tmp_path, kind, estimator):
+ARITH_RUNS = {"jsonl": ["--adv_estimator=gae"],
+              "parquet": ["--adv_estimator=grpo", "--n_samples_per_prompt=8", "--rollout_batch_size=16"]}
+
+
+def arith_run(kind):
+    """scripts/make_arith_prompts.py, then ppo-train on its file, as one shell command -> (key, command, directory)."""
+    key = f"columns-arith-{kind}"
+    d = background.directory(key)
+    with open(os.path.join(d, "my_reward.py"), "w") as f:
+        f.write(EXACT_MATCH)
+    make = [sys.executable, os.path.join(ROOT, "scripts", "make_arith_prompts.py"), f"--out=arith.{kind}", "--n=512",
+            "--eval_size=128"]
+    train = [sys.executable, "-m", "ppo_core.train", "--task=arith", f"--prompts_file=arith.{kind}",
+             "--reward_fn=my_reward.py:exact_match", "--iterations=20", "--eval_size=128", "--progress=false",
+             *ARITH_RUNS[kind], f"--out={d}/run"]
+    return key, ["sh", "-c", f"{shlex.join(make)} > /dev/null && exec {shlex.join(train)}"], d
+
+
+def start_arith_runs():
+    for kind in ARITH_RUNS:
+        if kind == "jsonl" or importlib.util.find_spec("pyarrow") is not None:
+            background.start(*arith_run(kind))
+
+
+BACKGROUND = {"arith_kind": start_arith_runs}  # started as the suite begins (tests/background.py)
+
+
+@pytest.fixture(params=list(ARITH_RUNS))
+def arith_kind(request):
+    return request.param
+
+
+def test_answer_column_reward_raises_held_out_exact_match_on_arith(arith_kind):
     """The issue's acceptance run, small: scripts/make_arith_prompts.py writes 512 training rows and the task's 128
-    held-out rows last ({"prompt": "347+85=", "answer": "432"}); 20 iterations from the shipped arith checkpoint.
-    The held-out prompts are the task's own, so the accuracy before training is the built-in arith reward's."""
+    held-out rows last ({"prompt": "347+85=", "answer": "432"}); 20 iterations from the shipped arith checkpoint,
+    with PPO on JSONL and GRPO on Parquet. The held-out prompts are the task's own, so the accuracy before training
+    is the built-in arith reward's."""
+    kind = arith_kind
     if kind == "parquet":
         pytest.importorskip("pyarrow")
-    (tmp_path / "my_reward.py").write_text(EXACT_MATCH)
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_arith_prompts.py"), f"--out=arith.{kind}",
-                    "--n=512", "--eval_size=128"], check=True, cwd=tmp_path, capture_output=True)
-    run = tmp_path / "run"
-    proc = ppo_train("--task=arith", f"--prompts_file=arith.{kind}", "--reward_fn=my_reward.py:exact_match",
-                     "--iterations=20", "--eval_size=128", "--progress=false", *estimator, f"--out={run}", cwd=tmp_path)
+    proc = background.result(*arith_run(kind))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (f"prompts: 512 training rows from arith.{kind}, 128 held out (the file's last rows, at most half)"
             in proc.stderr)
-    summary = json.loads((run / "summary.json").read_text())
+    with open(os.path.join(background.directory(f"columns-arith-{kind}"), "run", "summary.json")) as f:
+        summary = json.load(f)
     # the shipped checkpoint forgets most carries: about 3 in 10 right greedily (the problems with none to forget)
     assert 0.2 < summary["eval/greedy_reward_before"] < 0.4
     # 128 prompts: a binomial standard error of at most 0.045; the rise asked for is over four of them

@@ -3,6 +3,7 @@ as 1 process on the same global batch, with DDP (the default) and with FSDP2, an
 mid-rollout resumes identically (FSDP: from its sharded checkpoint)."""
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+
+import background
 
 from ppo_core.train import DEMO_CHECKPOINT
 from test_resume import DRIVER
@@ -20,9 +23,21 @@ WALL_CLOCK = ("time/", "tokens_per_s")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
+def one_thread_env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def launch(cmd, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=600, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=600, env=one_thread_env())
+
+
+def side_by_side(*cmds, cwd):
+    """Launch every command at once (a run and the run it must equal: one process and torchrun's two, on 2 cores),
+    each checked for exit status 0 -> their CompletedProcess, in order."""
+    procs = background.together(*[(cmd, cwd, one_thread_env()) for cmd in cmds])
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return procs
 
 
 def weights(run_dir, step):
@@ -56,15 +71,47 @@ def assert_identical_runs(one, two, step):
         assert m1 == {k: v for k, v in m2.items() if k in m1}
 
 
+TOKEN_MEAN = ARGS + ["--iterations=2", "--loss_agg=token-mean"]
+
+
+def reference_runs():
+    """The module's reference runs, key -> (command, working directory): TOKEN_MEAN in one process, in two (DDP)
+    and in two FSDP processes, into the directory "dp"; STALE in one process and with a rollout worker (below),
+    into "stale"."""
+    dp, stale = pathlib.Path(background.directory("dp")), pathlib.Path(background.directory("stale"))
+    train = ["-m", "ppo_core.train"]
+    return {"dp-one": ([sys.executable, *train, *TOKEN_MEAN, f"--out={dp / 'one'}"], dp),
+            "dp-two": (TORCHRUN + [*train, *TOKEN_MEAN, f"--out={dp / 'two'}"], dp),
+            "dp-fsdp": (TORCHRUN + [*train, *TOKEN_MEAN, "--parallel=fsdp", f"--out={dp / 'fsdp'}"], dp),
+            "stale-one": ([sys.executable, *train, *STALE, f"--out={stale / 'one'}"], stale),
+            "stale-two": (TORCHRUN + [*train, *STALE, "--rollout_ranks=1", f"--out={stale / 'two'}"], stale)}
+
+
+def reference_run(key):
+    cmd, cwd = reference_runs()[key]
+    proc = background.result(key, cmd, cwd, one_thread_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start_reference_runs(*keys):
+    for key, (cmd, cwd) in reference_runs().items():
+        if key in keys:
+            background.start(key, cmd, cwd, one_thread_env())
+
+
+# started as the suite begins (tests/background.py)
+BACKGROUND = {"token_mean_runs": lambda: start_reference_runs("dp-one", "dp-two"),
+              "fsdp_run": lambda: start_reference_runs("dp-fsdp"),
+              "stale_runs": lambda: start_reference_runs("stale-one", "stale-two")}
+
+
 @pytest.fixture(scope="module")
-def token_mean_runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dp")
-    args = ARGS + ["--iterations=2", "--loss_agg=token-mean"]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={d / 'one'}"], d)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={d / 'two'}"], d)
-    assert double.returncode == 0, double.stderr[-3000:]
-    return d, args
+def token_mean_runs():
+    """TOKEN_MEAN in one process and in two (DDP) -> (their directory, holding one/ and two/, the arguments)."""
+    reference_run("dp-one")
+    reference_run("dp-two")
+    return pathlib.Path(background.directory("dp")), TOKEN_MEAN
 
 
 def test_two_processes_match_one_token_mean(token_mean_runs):
@@ -82,10 +129,8 @@ def test_two_processes_match_one_in_bf16(tmp_path):
     (measured: 2%)."""
     args = [a.replace("--dtype=float32", "--dtype=bf16-mixed") for a in ARGS if not a.startswith("--minibatch_size")]
     args += ["--minibatch_size=16", "--iterations=1"]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], tmp_path)
-    assert double.returncode == 0, double.stderr[-3000:]
+    _, double = side_by_side([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"],
+                             TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], cwd=tmp_path)
     assert "non-finite" not in double.stderr and "bfloat16 autocast" in double.stderr
     start = load_file(os.path.join(DEMO_CHECKPOINT, "model.safetensors"))
     a, b = weights(tmp_path / "one", 1), weights(tmp_path / "two", 1)
@@ -100,10 +145,8 @@ def test_two_processes_match_one_in_bf16(tmp_path):
 
 def test_two_processes_match_one_seq_mean(tmp_path):
     args = ARGS + ["--iterations=1", "--loss_agg=seq-mean-token-mean"]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], tmp_path)
-    assert double.returncode == 0, double.stderr[-3000:]
+    side_by_side([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"],
+                 TORCHRUN + ["-m", "ppo_core.train", *args, f"--out={tmp_path / 'two'}"], cwd=tmp_path)
     assert_same_run(tmp_path / "one", tmp_path / "two", step=1)
 
 
@@ -113,11 +156,9 @@ def test_two_processes_match_one_grpo_groups(tmp_path, parallel):
     batch; with dynamic sampling on, the kept groups are chosen globally. No critic anywhere."""
     args = ARGS + ["--iterations=2", "--adv_estimator=grpo", "--n_samples_per_prompt=4", "--rollout_batch_size=4",
                    "--filter_groups", "--filter_groups_max_batches=2"]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--parallel={parallel}", f"--out={tmp_path / 'two'}"],
-                    tmp_path)
-    assert double.returncode == 0, double.stderr[-3000:]
+    side_by_side([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"],
+                 TORCHRUN + ["-m", "ppo_core.train", *args, f"--parallel={parallel}", f"--out={tmp_path / 'two'}"],
+                 cwd=tmp_path)
     assert_same_run(tmp_path / "one", tmp_path / "two", step=2)
     assert not (tmp_path / "two" / "checkpoints" / "step-2" / "critic").exists()
     assert all(r["filter/batches"] >= 1 for r in metrics(tmp_path / "two"))
@@ -131,11 +172,9 @@ def test_two_processes_match_one_packed(tmp_path, parallel):
     args = [a for a in ARGS if not a.startswith("--micro_batch_size")]
     args += ["--iterations=2", "--micro_batch_tokens=48", "--adv_estimator=grpo", "--n_samples_per_prompt=4",
              "--rollout_batch_size=4"]
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, f"--parallel={parallel}", f"--out={tmp_path / 'two'}"],
-                    tmp_path)
-    assert double.returncode == 0, double.stderr[-3000:]
+    side_by_side([sys.executable, "-m", "ppo_core.train", *args, f"--out={tmp_path / 'one'}"],
+                 TORCHRUN + ["-m", "ppo_core.train", *args, f"--parallel={parallel}", f"--out={tmp_path / 'two'}"],
+                 cwd=tmp_path)
     assert_same_run(tmp_path / "one", tmp_path / "two", step=2)
 
 
@@ -172,8 +211,7 @@ def test_two_process_run_killed_mid_rollout_resumes_identically(token_mean_runs,
 @pytest.fixture(scope="module")
 def fsdp_run(token_mean_runs):
     d, args = token_mean_runs
-    fsdp = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--parallel=fsdp", f"--out={d / 'fsdp'}"], d)
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    reference_run("dp-fsdp")
     return d, args + ["--parallel=fsdp"]
 
 
@@ -227,21 +265,21 @@ STALE = ARGS + ["--iterations=2", "--max_staleness=1", "--off_policy_correction=
 
 
 def alone_and_with_a_worker(args, where):
-    """ppo-train with `args` in one process (into where/one), then under torchrun with the second process a rollout
-    worker (where/two). -> (one, two), the run directories."""
-    single = launch([sys.executable, "-m", "ppo_core.train", *args, f"--out={where / 'one'}"], where)
-    assert single.returncode == 0, single.stderr[-2000:]
-    double = launch(TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={where / 'two'}"], where)
-    assert double.returncode == 0, double.stderr[-3000:]
+    """ppo-train with `args` in one process (into where/one) and, at the same time, under torchrun with the second
+    process a rollout worker (where/two). -> (one, two), the run directories."""
+    side_by_side([sys.executable, "-m", "ppo_core.train", *args, f"--out={where / 'one'}"],
+                 TORCHRUN + ["-m", "ppo_core.train", *args, "--rollout_ranks=1", f"--out={where / 'two'}"], cwd=where)
     return where / "one", where / "two"
 
 
 @pytest.fixture(scope="module")
-def stale_runs(tmp_path_factory):
+def stale_runs():
     """One update stale with TIS (STALE): in one process, and under torchrun with rollout_ranks=1 (process 1 the
     worker). -> (the directory holding both, one-process run dir, worker run dir)."""
-    d = tmp_path_factory.mktemp("stale")
-    return (d, *alone_and_with_a_worker(STALE, d))
+    reference_run("stale-one")
+    reference_run("stale-two")
+    d = pathlib.Path(background.directory("stale"))
+    return d, d / "one", d / "two"
 
 
 def test_a_rollout_worker_one_update_stale_is_the_one_process_run(stale_runs):
@@ -275,18 +313,20 @@ def test_a_rollout_worker_run_killed_mid_update_resumes_identically(stale_runs, 
     processes, two FSDP trainers: their shards are saved and loaded within the trainers' group."""
     launcher = TORCHRUN[:-1] + [f"--nproc-per-node={processes}"]
     args = STALE + ["--rollout_ranks=1", f"--parallel={parallel}"]
-    if processes == 2:  # the run of the fixture (DDP is the default)
-        whole = stale_runs[2]
-    else:
-        whole = tmp_path / "whole"
-        proc = launch(launcher + ["-m", "ppo_core.train", *args, f"--out={whole}"], tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run_dir = tmp_path / "run"
     # killed at the trainer's 7th value-loss call: in the second iteration's update (4 micro-batch calls an
     # iteration here), after the first checkpoint, which holds the rollout in flight
-    killed = launch(launcher + [str(driver), "update", "7", *args, f"--out={run_dir}"], tmp_path)
+    kill = (launcher + [str(driver), "update", "7", *args, f"--out={run_dir}"], tmp_path, one_thread_env())
+    if processes == 2:  # the run of the fixture (DDP is the default)
+        whole = stale_runs[2]
+        (killed,) = background.together(kill)
+    else:  # the whole run beside the one that is killed
+        whole = tmp_path / "whole"
+        proc, killed = background.together(
+            (launcher + ["-m", "ppo_core.train", *args, f"--out={whole}"], tmp_path, one_thread_env()), kill)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
     assert (run_dir / "checkpoints" / "step-1").is_dir() and not (run_dir / "checkpoints" / "step-2").exists()
     resumed = launch(launcher + ["-m", "ppo_core.train", "--resume", str(run_dir)], tmp_path)

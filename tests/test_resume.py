@@ -2,6 +2,7 @@
 the same final weights and metrics as a run that never stopped; NaN updates are skipped, then stop."""
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import background
 import ppo_core.train as train
 import ppo_core.update as update
 from ppo_core.config import build_config
@@ -69,20 +71,36 @@ def metrics(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    proc = run_trainer(ARGS + [f"--out={d / 'run'}", "--dtype=float32"], cwd=d)
+def reference(key, extra):
+    """A run that never stopped, with ARGS + extra -> (key, command, working directory, run directory)."""
+    d = background.directory(key)
+    return key, [sys.executable, "-m", "ppo_core.train", *ARGS, *extra, f"--out={d}/run"], d, pathlib.Path(d) / "run"
+
+
+REFERENCES = {"reference_run": ("resume-reference", ["--dtype=float32"]),
+              "reference_run_bf16": ("resume-reference-bf16", ["--dtype=bf16-mixed"]),
+              "stale_reference_run": ("resume-reference-stale", ["--max_staleness=1", "--off_policy_correction=tis",
+                                                                 "--dtype=float32"])}
+# started as the suite begins (tests/background.py)
+BACKGROUND = {fixture: (lambda key=key, extra=extra: background.start(*reference(key, extra)[:3]))
+              for fixture, (key, extra) in REFERENCES.items()}
+
+
+def reference_result(fixture):
+    key, cmd, cwd, run_dir = reference(*REFERENCES[fixture])
+    proc = background.result(key, cmd, cwd)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return d / "run"
+    return run_dir
 
 
 @pytest.fixture(scope="module")
-def reference_run_bf16(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref_bf16")
-    proc = run_trainer(ARGS + [f"--out={d / 'run'}", "--dtype=bf16-mixed"], cwd=d)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return d / "run"
+def reference_run():
+    return reference_result("reference_run")
+
+
+@pytest.fixture(scope="module")
+def reference_run_bf16():
+    return reference_result("reference_run_bf16")
 
 
 def final_weights(run_dir):
@@ -224,11 +242,8 @@ STALE = ["--max_staleness=1", "--off_policy_correction=tis"]
 
 
 @pytest.fixture(scope="module")
-def stale_reference_run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref_stale")
-    proc = run_trainer(ARGS + STALE + [f"--out={d / 'run'}", "--dtype=float32"], cwd=d)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return d / "run"
+def stale_reference_run():
+    return reference_result("stale_reference_run")
 
 
 @pytest.mark.parametrize("where, n", [

@@ -1,12 +1,14 @@
 """End to end: the real `ppo-train` entry point on the shipped checkpoint, as a user runs it."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import background
 import ppo_core
 from ppo_core.precision import bf16_matmul_hardware
 from ppo_core.train import DEMO_CHECKPOINT
@@ -20,6 +22,15 @@ def ppo_train(*args, cwd):
                           capture_output=True, text=True, cwd=cwd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def ppo_train_together(*argvs, cwd):
+    """ppo-train with each argument list, all at once (each runs in one thread: 2 cores run two)."""
+    procs = background.together(*[([sys.executable, "-m", "ppo_core.train", "--progress=false", *a], cwd)
+                                  for a in argvs])
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return procs
 
 
 def read_metrics(run_dir):
@@ -39,15 +50,32 @@ PRECISIONS = ["float32", "bf16-mixed"]  # dtype='auto' is one of them, by the CP
 ITERATIONS = {"float32": 60, "bf16-mixed": 60 if bf16_matmul_hardware("cpu") else 20}
 
 
+def default_job(precision):
+    """The default job as `ppo-train` runs it (all defaults, on the CPU: see first_ratio_max_dev below), in one
+    precision, into a fresh run directory -> (key, command, working directory, run directory, iterations)."""
+    key = f"default-job-{precision}"
+    run_dir = os.path.join(background.directory(key), "run")
+    iterations = ITERATIONS[precision]
+    cmd = [sys.executable, "-m", "ppo_core.train", "--progress=false", f"--out={run_dir}", "--device=cpu",
+           f"--dtype={precision}", *([] if iterations == 60 else [f"--iterations={iterations}"])]
+    return key, cmd, ROOT, run_dir, iterations
+
+
+def start_default_jobs():
+    for precision in PRECISIONS:
+        background.start(*default_job(precision)[:3])
+
+
+BACKGROUND = {"default_run": start_default_jobs}  # started as the suite begins (tests/background.py)
+
+
 @pytest.fixture(scope="module", params=PRECISIONS)
-def default_run(tmp_path_factory, request):
-    """The default job as `ppo-train` runs it (all defaults, on the CPU: see first_ratio_max_dev below), into a fresh run
-    directory, in each precision (-> run_dir, the process, its iterations)."""
-    run_dir = tmp_path_factory.mktemp("default") / "run"
-    iterations = ITERATIONS[request.param]
-    proc = ppo_train(f"--out={run_dir}", "--device=cpu", f"--dtype={request.param}",
-                     *([] if iterations == 60 else [f"--iterations={iterations}"]), cwd=ROOT)
-    return run_dir, proc, iterations
+def default_run(request):
+    """The default job in each precision (-> run_dir, the process, its iterations)."""
+    key, cmd, cwd, run_dir, iterations = default_job(request.param)
+    proc = background.result(key, cmd, cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return pathlib.Path(run_dir), proc, iterations
 
 
 def test_default_job_improves_held_out_reward(default_run):
@@ -101,8 +129,9 @@ def test_plot_run_writes_a_png(default_run, tmp_path):
 @pytest.mark.parametrize("dtype", ["float32"])  # bf16-mixed: test_resume.py's bf16 runs are bit-exact repeats too
 def test_same_seed_same_metrics(tmp_path, dtype):
     args = ("--iterations=2", "--eval_size=16", "--rollout_batch_size=32", "--seed=3", f"--dtype={dtype}")
-    ppo_train(*args, f"--out={tmp_path / 'a'}", cwd=tmp_path)
-    ppo_train(*args, f"--out={tmp_path / 'b'}", cwd=tmp_path)
+    other_seed = ["--iterations=1", "--eval_size=16", "--rollout_batch_size=32", "--seed=4", f"--dtype={dtype}"]
+    ppo_train_together([*args, f"--out={tmp_path / 'a'}"], [*args, f"--out={tmp_path / 'b'}"],
+                       [*other_seed, f"--out={tmp_path / 'c'}"], cwd=tmp_path)
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert strip_wall_clock(a) == strip_wall_clock(b)
     with open(tmp_path / "a" / "summary.json") as fa, open(tmp_path / "b" / "summary.json") as fb:
@@ -110,8 +139,6 @@ def test_same_seed_same_metrics(tmp_path, dtype):
     assert {k: v for k, v in sa.items() if k not in ("time/total_s", "checkpoint")} == \
            {k: v for k, v in sb.items() if k not in ("time/total_s", "checkpoint")}
     # a different seed is a different run
-    ppo_train("--iterations=1", "--eval_size=16", "--rollout_batch_size=32", "--seed=4", f"--dtype={dtype}",
-              f"--out={tmp_path / 'c'}", cwd=tmp_path)
     assert read_metrics(tmp_path / "c")[0]["reward/mean"] != a[0]["reward/mean"]
 
 
@@ -121,8 +148,8 @@ def test_fused_and_reference_paths_agree(tmp_path, variant):
     with the KL term fused in for the second variant) and the plain reference (full logits, log_softmax +
     gather, ppo_core.algo) give the same run."""
     args = ("--iterations=2", "--eval_size=32", "--ppo_epochs=2", "--dtype=float32", *variant)
-    ppo_train(*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}", cwd=tmp_path)
-    ppo_train(*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}", cwd=tmp_path)
+    ppo_train_together([*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}"],
+                       [*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}"], cwd=tmp_path)
     fused, ref = strip_wall_clock(read_metrics(tmp_path / "fused")), strip_wall_clock(read_metrics(tmp_path / "ref"))
     for f, r in zip(fused, ref):
         assert f.keys() == r.keys()
@@ -142,8 +169,8 @@ def test_fused_and_reference_paths_agree_in_bf16(tmp_path, variant):
     whose rounding differs do: a different token sampled moves every later number.)"""
     args = ("--iterations=1", "--eval_size=8", "--ppo_epochs=1", "--rollout_batch_size=32", "--minibatch_size=16",
             "--micro_batch_size=16", "--dtype=bf16-mixed", *variant)
-    ppo_train(*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}", cwd=tmp_path)
-    ppo_train(*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}", cwd=tmp_path)
+    ppo_train_together([*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}"],
+                       [*args, "--fused_kernels=false", f"--out={tmp_path / 'ref'}"], cwd=tmp_path)
     fused, ref = strip_wall_clock(read_metrics(tmp_path / "fused")), strip_wall_clock(read_metrics(tmp_path / "ref"))
     assert len(fused) == len(ref) == 1 and fused[0].keys() == ref[0].keys() and fused[0]["train/steps"] == 2
     assert fused[0]["policy/ratio_max_dev"] > 1e-3  # the second step saw the first step's update
