@@ -141,7 +141,8 @@ class RolloutEngine:
 
         Afterwards `self.stats` holds the call's accounting: computed_tokens (positions run through the model),
         useful_tokens (tokens returned), steps, prefix_hit_tokens (prompt positions found in the pool, not
-        computed), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in use at the peak, in bytes) with
+        computed), shared_prefix_steps (CPU steps whose decode attention read shared prompt blocks once per group of
+        sequences holding them, StepBatch.decode_plan), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in use at the peak, in bytes) with
         kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group),
         cuda_graphs ("on", or "off: " and why), static_steps (decode-only steps run on the static buffers),
         graph_captures, graph_replays, graph_capture_s (seconds of warm-up and capture); with on_turn_end also turns,
@@ -176,7 +177,7 @@ class RolloutEngine:
         for seq in sequences:
             if budgets[seq.index] > 0:
                 sched.add(seq)
-        stats = dict(computed_tokens=0, steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0, sequences_at_peak=0,
+        stats = dict(computed_tokens=0, steps=0, shared_prefix_steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0, sequences_at_peak=0,
                      pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
         no_graphs = graphs_unavailable(model, device, self.cuda_graphs)
         static = None  # the decode-only steps' buffers and graphs, for this call (the pool's lifetime)
@@ -263,6 +264,7 @@ class RolloutEngine:
                 sched.after_step(step)
                 stats["computed_tokens"] += n_tokens
                 stats["steps"] += 1
+                stats["shared_prefix_steps"] += not static_step and batch.shared_prefix_groups > 0
                 used = sum(pool.n_used * L * per_block_layer for pool, L in zip(sched.pools, layers))
                 if used > stats["peak_kv_bytes"]:
                     stats["peak_kv_bytes"] = used
@@ -341,6 +343,45 @@ def profiled(name):
     return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
+def partial_attention(q, k, v, bias):
+    """Attention over one part of the keys, unnormalised: q [.., g, hs], k, v [.., T, hs], bias [.., 1 | g, T] ->
+    (exp(s - m) v, m, sum exp(s - m)) with s = q k^T / sqrt(hs) + bias and m its row maximum ([.., g, hs], [.., g, 1]
+    x2); two parts of a row's keys merge as (o1 e^(m1 - m) + o2 e^(m2 - m)) / (l1 e^(m1 - m) + l2 e^(m2 - m)),
+    m = max(m1, m2). Every row must see at least one key."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)  # [.., g, T]
+    top = scores.amax(-1, keepdim=True)
+    weights = scores.sub_(top).exp_()
+    return torch.matmul(weights, v), top, weights.sum(-1, keepdim=True)
+
+
+def shared_prefix_groups(singles, g, bs):
+    """Groups of one-token sequences that share their first blocks in layer group g (the samples of one prompt, a
+    common system prompt), worth attending once per group -> [(indices into singles, shared blocks k)].
+
+    Sequences are grouped by their first block; a group's k is the number of leading blocks all its members hold,
+    short of the block each writes its new token to (those are full and read-only). A decode step attends this way
+    when the groups' shared blocks are at least a quarter of all blocks the step would gather: below that the extra
+    pass and merge cost more than the gather they save (a gather of the same keys for each member, and batched
+    matmuls of a few query rows each; measured on an AVX2-only EPYC (Zen 2), bench/RESULTS.md)."""
+    by_first = {}
+    for i, c in enumerate(singles):
+        by_first.setdefault(c.seq.tables[g][0], []).append(i)
+    groups, saved = [], 0
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        tables = [singles[i].seq.tables[g] for i in members]
+        limit = min(singles[i].start // bs for i in members)
+        k = 0
+        while k < limit and all(t[k] == tables[0][k] for t in tables):
+            k += 1
+        if k:
+            groups.append((members, k))
+            saved += (len(members) - 1) * k
+    total = sum(-(-(c.start + 1) // bs) for c in singles)
+    return groups if 4 * saved >= total else []
+
+
 def row_bucket(n: int, device) -> int:
     """The row count a step's matmuls run with for n rows: on the CPU, n itself up to 16, then rounded up (to a
     multiple of 8 up to 128, of 32 up to 1024, of 128 beyond), because oneDNN keeps a primitive (about 0.6 MB) for
@@ -410,25 +451,64 @@ class StepBatch:
                                  if multi else None)
         self.seq_lens = torch.tensor([c.start + 1 for c in singles], dtype=torch.int32, device=device)  # [Bs]
         self.triton = backend(device) == "triton"
-        if not self.triton and singles:  # the gathered path: which slots each single query sees, once for all layers
-            self.single_rows, self.single_visible = [], []
-            lens = self.seq_lens.long()[:, None]  # [Bs, 1]
-            for g, window in enumerate(windows):
-                table = self.tables[g].long()  # [Bs, width]
-                first = 0 if window is None else max(0, min(c.start + 1 - window for c in singles)) // bs
-                table = table[:, first:]
-                positions = first * bs + torch.arange(table.shape[1] * bs, device=device)[None]  # [1, T]
-                visible = positions < lens
-                if window is not None:
-                    visible = visible & (positions >= lens - window)
-                # unused table entries (-1) point at block 0: finite values (the pool starts at zero), masked out
-                slots = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=device)).flatten(1)  # [Bs, T]
-                # rows of the pool seen as [slots x nkv, hs], in the order [Bs, nkv, T]: one index_select then gives
-                # keys laid out as SDPA reads them fastest (contiguous per sequence and head)
-                self.single_rows.append((slots[:, None, :] * nkv + torch.arange(nkv, device=device)[None, :, None]).flatten())
-                # an additive float mask, made once: SDPA converts a bool one at every call (every layer)
-                bias = torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill_(~visible, float("-inf"))
-                self.single_visible.append(bias[:, None, None, :])  # [Bs, 1, 1, T]
+        self.shared_prefix_groups = 0  # groups of sequences whose shared prompt blocks a decode step attends to once
+        if not self.triton and singles:  # the gathered path: what each single query sees, once for all layers
+            self.single_plans = [self.decode_plan(singles, g, window, bs, nkv, n_blocks[g] * bs, device, dtype)
+                                 for g, window in enumerate(windows)]
+            self.shared_prefix_groups = max(p["prefix"][1].shape[0] if p["prefix"] else 0 for p in self.single_plans)
+
+    @staticmethod
+    def decode_plan(singles, g, window, bs, nkv, spare_slot, device, dtype):
+        """How the one-token sequences of a step attend in layer group g on the CPU, built once for all its layers:
+        -> {"rows": the pool rows of each sequence's keys from its first block on ([Bs nkv T] rows of the pool seen
+        as [slots x nkv, hs]), "bias": [Bs, 1, 1, T] (0 where visible, -inf elsewhere), "prefix": None or the shared
+        prompt blocks of groups of sequences, attended once per group (see shared_prefix_groups)}."""
+        lens = [c.start + 1 for c in singles]  # each sequence's visible length (its new token included)
+        prefix = shared_prefix_groups(singles, g, bs) if window is None else []
+        first = [0] * len(singles)  # the first block each sequence gathers itself
+        for members, k in prefix:
+            for i in members:
+                first[i] = k
+        if window is not None:  # a window: the blocks before the earliest one any query sees are skipped
+            first = [max(0, min(n - window for n in lens)) // bs] * len(singles)
+        tables = [c.seq.tables[g][f:] for c, f in zip(singles, first)]
+        width = max(map(len, tables))
+        table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        positions = (torch.tensor(first, device=device)[:, None] * bs
+                     + torch.arange(width * bs, device=device)[None])  # [Bs, T]
+        lens_t = torch.tensor(lens, device=device)[:, None]  # [Bs, 1]
+        visible = positions < lens_t
+        if window is not None:
+            visible = visible & (positions >= lens_t - window)
+        # unused table entries (-1) point at block 0: finite values (the pool starts at zero), masked out
+        slots = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=device)).flatten(1)  # [Bs, T]
+        # rows of the pool seen as [slots x nkv, hs], in the order [Bs, nkv, T]: one index_select then gives keys laid
+        # out as the matmuls read them fastest (contiguous per sequence and head)
+        rows = (slots[:, None, :] * nkv + torch.arange(nkv, device=device)[None, :, None]).flatten()
+        # an additive float mask, made once: a bool one would be converted at every call (every layer)
+        bias = torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        plan = dict(rows=rows, bias=bias[:, None, None, :], prefix=None)
+        if prefix:
+            n_max, K = max(len(m) for m, _ in prefix), max(k for _, k in prefix)
+            B = len(singles)
+            # the groups' shared blocks, padded to K blocks with the spare block (masked out)
+            prefix_slots = torch.tensor([[singles[m[0]].seq.tables[g][j] * bs + o if j < k else spare_slot
+                                          for j in range(K) for o in range(bs)] for m, k in prefix],
+                                        dtype=torch.long, device=device)  # [Gc, K bs]
+            prefix_rows = (prefix_slots[:, None, :] * nkv + torch.arange(nkv, device=device)[None, :, None]).flatten()
+            prefix_visible = torch.tensor([[j < k * bs for j in range(K * bs)] for _, k in prefix], device=device)
+            prefix_bias = torch.zeros(prefix_visible.shape, device=device, dtype=dtype)
+            prefix_bias = prefix_bias.masked_fill_(~prefix_visible, float("-inf"))[:, None, None, :]  # [Gc, 1, 1, K bs]
+            # the queries of group j in rows j n_max .. j n_max + n_max - 1 (index B: a zero query, padding)
+            query_index = torch.tensor([m[i] if i < len(m) else B for m, _ in prefix for i in range(n_max)],
+                                       dtype=torch.long, device=device)  # [Gc n_max]
+            # where each sequence's share of its group's result is (row Gc n_max: "none", a sequence in no group)
+            back = [len(prefix) * n_max] * B
+            for j, (members, _) in enumerate(prefix):
+                for i, member in enumerate(members):
+                    back[member] = j * n_max + i
+            plan["prefix"] = (prefix_rows, prefix_bias, query_index, torch.tensor(back, device=device), n_max)
+        return plan
 
     @staticmethod
     def prefill_batch(multi, g, window, bs, nkv, spare_slot, device, dtype):
@@ -500,14 +580,35 @@ class StepBatch:
         return out
 
     def gathered_singles(self, g, q, k_pool, v_pool):
-        """The one-token sequences' attention on the CPU: gather each query's visible keys and values (the slots fixed
-        for the step), then two batched matmuls. q [Bs, nh, hs] -> [Bs, nh, hs]."""
+        """The one-token sequences' attention on the CPU (decode_plan): gather each sequence's visible keys and values
+        (from its first block that no group shares), two batched matmuls; where groups of sequences share prompt
+        blocks, those are gathered once per group and attended by the group's queries together, and the two parts
+        merge by their log-sum-exp (as flash-decoding merges its splits). q [Bs, nh, hs] -> [Bs, nh, hs]."""
         (B, nh, hs), nkv = q.shape, k_pool.shape[2]
-        rows = self.single_rows[g]  # index_select: several times faster than indexing with a 2-d tensor
-        keys_k = self.gather(k_pool, rows, "k", B, nkv, hs)  # [Bs, nkv, T, hs]
-        keys_v = self.gather(v_pool, rows, "v", B, nkv, hs)
-        queries = q.view(B, nkv, nh // nkv, hs)  # [Bs, nkv, nh/nkv, hs]: a kv head's query heads as rows
-        return gathered_decode_attention(queries, keys_k, keys_v, self.single_visible[g]).view(B, nh, hs)
+        plan, G = self.single_plans[g], nh // nkv
+        queries = q.view(B, nkv, G, hs)  # [Bs, nkv, G, hs]: a kv head's query heads as rows
+        keys_k = self.gather(k_pool, plan["rows"], "k", B, nkv, hs)  # [Bs, nkv, T, hs]
+        keys_v = self.gather(v_pool, plan["rows"], "v", B, nkv, hs)
+        if plan["prefix"] is None:
+            return gathered_decode_attention(queries, keys_k, keys_v, plan["bias"]).view(B, nh, hs)
+        rows, bias, query_index, back, n_max = plan["prefix"]
+        Gc = bias.shape[0]
+        with torch.autocast(q.device.type, enabled=False) if autocast_dtype(q.device.type) else nullcontext():
+            own, own_max, own_sum = partial_attention(queries, keys_k, keys_v, plan["bias"])  # [Bs, nkv, G, hs | 1]
+            group_q = torch.cat([queries, queries.new_zeros(1, nkv, G, hs)]).index_select(0, query_index)
+            group_q = group_q.view(Gc, n_max, nkv, G, hs).transpose(1, 2).reshape(Gc, nkv, n_max * G, hs)
+            prefix_k = self.gather(k_pool, rows, "prefix_k", Gc, nkv, hs)  # [Gc, nkv, K bs, hs]
+            prefix_v = self.gather(v_pool, rows, "prefix_v", Gc, nkv, hs)
+            shared = partial_attention(group_q, prefix_k, prefix_v, bias)  # [Gc, nkv, n_max G, hs | 1]
+            none = (0.0, float("-inf"), 0.0)  # a sequence in no group: nothing from the shared part
+            shared_out, shared_max, shared_sum = (
+                torch.cat([x.view(Gc, nkv, n_max, G, -1).transpose(1, 2).reshape(Gc * n_max, nkv, G, -1),
+                           x.new_full((1, nkv, G, x.shape[-1]), fill)]).index_select(0, back)
+                for x, fill in zip(shared, none))  # [Bs, nkv, G, hs | 1]
+            m = torch.maximum(own_max, shared_max)
+            a_own, a_shared = (own_max - m).exp_(), (shared_max - m).exp_()
+            out = (own * a_own + shared_out * a_shared) / (own_sum * a_own + shared_sum * a_shared)
+        return out.view(B, nh, hs)
 
     def gather(self, pool, rows, name, B, nkv, hs):
         """The pool's rows `rows` (of the pool seen as [slots x nkv, hs]) into scratch buffer `name`, as

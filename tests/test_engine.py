@@ -13,12 +13,13 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ppo_core
-from ppo_core.engine import RolloutEngine, row_bucket
+from ppo_core.engine import RolloutEngine, row_bucket, shared_prefix_groups
 from ppo_core.generate import counter_uniforms
 from ppo_core.kv_blocks import BlockPool, prefix_key
 from ppo_core.scheduler import Chunk, Scheduler, Sequence, Step
@@ -246,6 +247,36 @@ def test_the_tokens_do_not_depend_on_how_the_engine_schedules_them(name):
     first = RolloutEngine(model).generate(prompts[:half], 15, seed=11, rows=range(half))
     second = RolloutEngine(model).generate(prompts[half:], 15, seed=11, rows=range(half, len(prompts)))
     assert first + second == expected
+
+
+def test_shared_prefix_groups_hand_worked():
+    """Blocks of 4. Sequences a, b, c begin with blocks 5, 6 (c and a also share block 7, b does not); d is alone.
+    The group is a, b, c with k = 2 shared blocks, never the block a sequence writes its new token to; it is used
+    when the blocks it saves (2 members x 2 blocks) are at least a quarter of all the step gathers."""
+    def single(table, start):
+        return SimpleNamespace(start=start, seq=SimpleNamespace(tables=[table]))
+
+    a, b, c = single([5, 6, 7, 9], 14), single([5, 6, 8, 10], 13), single([5, 6, 7, 11], 12)
+    assert shared_prefix_groups([a, b, c, single([20, 21], 5)], 0, 4) == [([0, 1, 2], 2)]  # 4 x 4 >= 4+4+4+2
+    assert shared_prefix_groups([a, b, c, single(list(range(20, 30)), 39)], 0, 4) == []  # 16 < 22
+    assert shared_prefix_groups([a, single([5, 6, 7], 8)], 0, 4) == [([0, 1], 2)]  # block 7 is being written to
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo3"])
+def test_the_samples_of_a_prompt_attend_to_its_blocks_once_and_sample_what_generate_does(name):
+    """GRPO groups (3 prompts of 13, 17 and 22 tokens x 4 samples, blocks of 4): the CPU decode steps attend to each
+    group's shared prompt blocks once for the group and merge that with each sample's own keys by log-sum-exp
+    (stats['shared_prefix_steps']); the tokens are generate's and the log-probs too, to float32 rounding. OLMo 3's
+    sliding-window layers keep their own pool and gather as before."""
+    model = tiny(name)
+    g = torch.Generator().manual_seed(6)
+    prompts = [p for n in (13, 17, 22) for p in [torch.randint(3, 131, (n,), generator=g).tolist()] * 4]
+    expected, expected_lp = reference(model, prompts, 10, seed=5, return_logprobs=True)
+    engine = RolloutEngine(model, block_size=4)
+    tokens, logprobs = engine.generate(prompts, 10, seed=5, return_logprobs=True)
+    assert tokens == expected
+    torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2e-5)
+    assert engine.stats["shared_prefix_steps"] >= 8  # of 9 decode steps (10 tokens, the first sampled by prefill)
 
 
 def pool_bytes_per_position(model):
