@@ -15,6 +15,15 @@
                     merges its splits); not in the engine
 
 Every way is checked against a float64 reference first. The rows are medians of --repeats calls after one warm-up.
+
+    python bench/decode_attention_cpu.py --shared      # GRPO groups: workload C's shape at SmolLM2-135M's heads
+
+--shared: --groups groups of --group-size sequences, each group sharing its first --prefix positions (whole blocks)
+and every sequence --positions more of its own, two ways:
+  gathered          every sequence's keys gathered (the shared ones once per sequence), two batched matmuls
+  shared once       the engine's way (ppo_core.engine.partial_attention): the shared blocks gathered once per group
+                    and attended by the group's queries as rows of one matmul, each sequence's own keys as above,
+                    the two parts merged by log-sum-exp
 """
 import argparse
 import statistics
@@ -43,9 +52,15 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--shared", action="store_true", help="groups sharing a prompt's blocks (see the docstring)")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prefix", type=int, default=256, help="--shared: positions each group shares")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.shared:
+        return shared_prefix(args)
     S, L, nkv, G, hs, bs = args.seqs, args.positions, args.kv_heads, args.group, args.head_dim, args.block_size
     width = -(-L // bs)  # blocks per sequence
     T = width * bs
@@ -119,6 +134,81 @@ def main():
           f"blocks of {bs} ({kv_mb:.1f} MB of keys and values visible), float32, {args.threads} threads, "
           f"torch {torch.__version__}")
     print("| way | ms / layer | vs padded |")
+    print("|---|---:|---:|")
+    floor = None
+    for name, fn in ways:
+        ms = timed(fn, args.repeats)
+        floor = floor or ms
+        print(f"| {name} | {ms:.2f} | {ms / floor:.2f}x |", flush=True)
+
+
+def shared_prefix(args):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from ppo_core.engine import partial_attention
+
+    n_groups, n, P, own = args.groups, args.group_size, args.prefix, args.positions
+    nkv, G, hs, bs = args.kv_heads, args.group, args.head_dim, args.block_size
+    assert P % bs == 0, "--prefix must be whole blocks"
+    S, pw, ow = n_groups * n, P // bs, -(-own // bs)
+    n_blocks = n_groups * pw + S * ow + 10
+    k_pool, v_pool = torch.randn(n_blocks, bs, nkv, hs), torch.randn(n_blocks, bs, nkv, hs)
+    perm = torch.randperm(n_blocks)
+    shared = perm[: n_groups * pw].view(n_groups, pw)  # [groups, pw]
+    owned = perm[n_groups * pw : n_groups * pw + S * ow].view(S, ow)  # [S, ow]
+    tables = torch.cat([shared.repeat_interleave(n, 0), owned], 1)  # [S, pw + ow], a group's rows adjacent
+    q = torch.randn(S, nkv, G, hs)
+
+    def rows_of(table):  # rows of the pool seen as [slots x nkv, hs], in the order [rows, nkv, positions]
+        slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)
+        return (slots[:, None, :] * nkv + torch.arange(nkv)[None, :, None]).flatten()
+
+    def bias_of(visible):  # [rows, T] bool -> [rows, 1, 1, T]
+        return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+
+    T, To = tables.shape[1] * bs, ow * bs
+    rows_all, rows_shared, rows_own = rows_of(tables), rows_of(shared), rows_of(owned)
+    bias_all = bias_of((torch.arange(T) < P + own)[None].expand(S, T))
+    bias_own = bias_of((torch.arange(To) < own)[None].expand(S, To))
+    bias_shared = torch.zeros(n_groups, 1, 1, P)
+    buffers = {name: torch.empty(len(r), hs) for name, r in
+               [("k", rows_all), ("v", rows_all), ("sk", rows_shared), ("sv", rows_shared), ("ok", rows_own),
+                ("ov", rows_own)]}
+
+    def gather(pool, rows, name, shape):
+        return torch.index_select(pool.view(-1, hs), 0, rows, out=buffers[name]).view(shape)
+
+    def gathered():
+        k = gather(k_pool, rows_all, "k", (S, nkv, T, hs))
+        v = gather(v_pool, rows_all, "v", (S, nkv, T, hs))
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(hs ** -0.5).add_(bias_all)
+        return torch.matmul(scores.softmax(-1), v)
+
+    def shared_once():
+        k = gather(k_pool, rows_own, "ok", (S, nkv, To, hs))
+        v = gather(v_pool, rows_own, "ov", (S, nkv, To, hs))
+        o2, m2, l2 = partial_attention(q, k, v, bias_own)
+        qg = q.view(n_groups, n, nkv, G, hs).transpose(1, 2).reshape(n_groups, nkv, n * G, hs)
+        k = gather(k_pool, rows_shared, "sk", (n_groups, nkv, P, hs))
+        v = gather(v_pool, rows_shared, "sv", (n_groups, nkv, P, hs))
+        o1, m1, l1 = (x.view(n_groups, nkv, n, G, -1).transpose(1, 2).reshape(S, nkv, G, -1)
+                      for x in partial_attention(qg, k, v, bias_shared))
+        m = torch.maximum(m1, m2)
+        a1, a2 = (m1 - m).exp_(), (m2 - m).exp_()
+        return (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+
+    k_ref = k_pool.view(-1, hs)[rows_all].view(S, nkv, T, hs).double()
+    v_ref = v_pool.view(-1, hs)[rows_all].view(S, nkv, T, hs).double()
+    reference = torch.softmax((q.double() @ k_ref.transpose(-1, -2)) * hs ** -0.5 + bias_all.double(), -1) @ v_ref
+    ways = [("gathered", gathered), ("shared once", shared_once)]
+    for name, fn in ways:
+        err = (fn().double() - reference).abs().max().item()
+        assert err < 1e-4, (name, err)
+    print(f"decode attention, one layer: {n_groups} groups x {n} sequences, {P} shared positions + {own} own, {nkv} kv "
+          f"heads x {G} queries of {hs}, blocks of {bs}, float32, {args.threads} threads, torch {torch.__version__}")
+    print("| way | ms / layer | vs gathered |")
     print("|---|---:|---:|")
     floor = None
     for name, fn in ways:

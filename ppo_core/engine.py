@@ -19,10 +19,12 @@ What it does differently from `ppo_core.generate` (the plain padded reference, w
 
 Layer groups. Layers that attend to a sliding window shorter than the call's longest sequence keep their keys in a
 pool of their own, where a sequence holds only the blocks its next query can see; every other layer (full attention,
-NoPE, q/k norms: whatever Attention computes) shares the main pool. Attention over the pool is
-ppo_kernels.paged_attention (a Triton flash-decoding kernel on CUDA, its torch reference elsewhere) for the
-sequences that compute one token in a step, and fused SDPA (ppo_core.model.attention) over the gathered keys for a
-prefill chunk.
+NoPE, q/k norms: whatever Attention computes) shares the main pool. For the sequences that compute one token in a
+step, attention over the pool is ppo_kernels.paged_attention on CUDA (a Triton flash-decoding kernel that reads
+the blocks in place); on the CPU, each sequence's visible keys gathered into one buffer and two batched matmuls,
+with the blocks that a group of sequences shares (the samples of one prompt) gathered once and attended by the
+group's queries together, merged by log-sum-exp (StepBatch.decode_plan). A prefill chunk runs fused SDPA
+(ppo_core.model.attention) over its gathered keys.
 
 Decode-only steps (every running sequence computes one token; no prefill chunk, no copy-on-write: most of a
 rollout's steps) take ppo_core.static_decode's path where `cuda_graphs` applies (CUDA, the Triton backend, a model
@@ -54,6 +56,12 @@ CPU_KV_CACHE_GB = 4.0
 """The CPU's default pool budget (GiB): an upper bound; a call allocates only what its sequences can use at once."""
 GPU_FREE_MEMORY_FRACTION = 0.8
 """On a GPU the default budget is this fraction of the memory free when the call starts (the models are loaded)."""
+SHARED_PREFIX_MIN_BYTES = 4 * 2**20
+"""CPU decode steps attend to the prompt blocks a group of sequences shares once per group when that saves at least
+this many bytes of keys and values gathered per layer (shared_prefix_groups). The extra pass and merge cost a fixed
+few ops a layer: on an AVX2-only EPYC (Zen 2), 2 threads, SmolLM2-135M's heads (1.5 KB of keys and values a
+position), saving 768 positions (3 groups x 4 x 64) was 1.74x slower, 1,792 positions level (1.00x, 0.98x), 3,584
+positions 0.76x and 14,336 (workload C) 0.56x the time of gathering every sequence's keys (bench/RESULTS.md)."""
 
 
 class RolloutEngine:
@@ -68,15 +76,18 @@ class RolloutEngine:
     (ppo_core.static_decode); ignored on the CPU, and off for an FSDP-sharded model and PPO_KERNELS_BACKEND=torch
     (stats['cuda_graphs'] says which and why).
     static_decode: run decode-only steps on the fixed-shape buffers the graphs replay; None = exactly when graphs
-    are used; True without graphs (the CPU, cuda_graphs=False) runs them eagerly: the path the graphs capture."""
+    are used; True without graphs (the CPU, cuda_graphs=False) runs them eagerly: the path the graphs capture.
+    shared_prefix_min_bytes: on the CPU, sequences sharing prompt blocks attend to them once per group when that
+    saves at least this many bytes of gathered keys and values per layer (0: whenever blocks are shared)."""
 
     def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096,
-                 cuda_graphs=True, static_decode=None):
+                 cuda_graphs=True, static_decode=None, shared_prefix_min_bytes=SHARED_PREFIX_MIN_BYTES):
         self.model = model
         self.kv_cache_gb = kv_cache_gb
         self.block_size = block_size or 16
         self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
         self.cuda_graphs, self.static_decode = cuda_graphs, static_decode
+        self.shared_prefix_min_bytes = shared_prefix_min_bytes
         self.stats = {}
 
     # -- the pool -------------------------------------------------------------------------------------------------
@@ -241,7 +252,8 @@ class RolloutEngine:
                     static_step = static is not None and static.takes(step)
                     if not static_step:
                         batch = StepBatch(step, windows, group_of, index_in_group, bs, n_blocks,
-                                          a.num_key_value_heads, device, cache_dtype, scratch)
+                                          a.num_key_value_heads, device, cache_dtype, scratch,
+                                          min_shared=self.shared_prefix_min_bytes // per_block_layer * bs)
                 sampling = [c for c in step.chunks if c.samples]
                 if static_step:  # one token per chunk: row i of the logits is chunk i's
                     logits = static.run(step)  # [n, V] float32
@@ -354,15 +366,14 @@ def partial_attention(q, k, v, bias):
     return torch.matmul(weights, v), top, weights.sum(-1, keepdim=True)
 
 
-def shared_prefix_groups(singles, g, bs):
+def shared_prefix_groups(singles, g, bs, min_shared=0):
     """Groups of one-token sequences that share their first blocks in layer group g (the samples of one prompt, a
-    common system prompt), worth attending once per group -> [(indices into singles, shared blocks k)].
+    common system prompt), to attend to those blocks once per group -> [(indices into singles, shared blocks k)].
 
     Sequences are grouped by their first block; a group's k is the number of leading blocks all its members hold,
-    short of the block each writes its new token to (those are full and read-only). A decode step attends this way
-    when the groups' shared blocks are at least a quarter of all blocks the step would gather: below that the extra
-    pass and merge cost more than the gather they save (a gather of the same keys for each member, and batched
-    matmuls of a few query rows each; measured on an AVX2-only EPYC (Zen 2), bench/RESULTS.md)."""
+    short of the block each writes its new token to (those are full and read-only). The groups are used when the
+    positions they save gathering (k bs for every member but one) are at least min_shared in all; else [] (the
+    extra pass and merge cost more than they save: SHARED_PREFIX_MIN_BYTES)."""
     by_first = {}
     for i, c in enumerate(singles):
         by_first.setdefault(c.seq.tables[g][0], []).append(i)
@@ -378,8 +389,7 @@ def shared_prefix_groups(singles, g, bs):
         if k:
             groups.append((members, k))
             saved += (len(members) - 1) * k
-    total = sum(-(-(c.start + 1) // bs) for c in singles)
-    return groups if 4 * saved >= total else []
+    return groups if saved * bs >= max(min_shared, 1) else []
 
 
 def row_bucket(n: int, device) -> int:
@@ -419,7 +429,7 @@ class StepBatch:
     per step on the host, for all layers; the gathered keys and values go into `scratch`'s buffers."""
 
     def __init__(self, step, windows, group_of, index_in_group, block_size, n_blocks, n_kv_heads, device, dtype,
-                 scratch=None):
+                 scratch=None, min_shared=0):
         self.scratch = scratch if scratch is not None else Scratch()
         self.chunks, self.copies = step.chunks, step.copies
         self.windows, self.group_of, self.index_in_group = windows, group_of, index_in_group
@@ -453,18 +463,19 @@ class StepBatch:
         self.triton = backend(device) == "triton"
         self.shared_prefix_groups = 0  # groups of sequences whose shared prompt blocks a decode step attends to once
         if not self.triton and singles:  # the gathered path: what each single query sees, once for all layers
-            self.single_plans = [self.decode_plan(singles, g, window, bs, nkv, n_blocks[g] * bs, device, dtype)
-                                 for g, window in enumerate(windows)]
+            self.single_plans = [self.decode_plan(singles, g, window, bs, nkv, n_blocks[g] * bs, device, dtype,
+                                                  min_shared) for g, window in enumerate(windows)]
             self.shared_prefix_groups = max(p["prefix"][1].shape[0] if p["prefix"] else 0 for p in self.single_plans)
 
     @staticmethod
-    def decode_plan(singles, g, window, bs, nkv, spare_slot, device, dtype):
+    def decode_plan(singles, g, window, bs, nkv, spare_slot, device, dtype, min_shared=0):
         """How the one-token sequences of a step attend in layer group g on the CPU, built once for all its layers:
         -> {"rows": the pool rows of each sequence's keys from its first block on ([Bs nkv T] rows of the pool seen
         as [slots x nkv, hs]), "bias": [Bs, 1, 1, T] (0 where visible, -inf elsewhere), "prefix": None or the shared
-        prompt blocks of groups of sequences, attended once per group (see shared_prefix_groups)}."""
+        prompt blocks of groups of sequences, attended once per group when that saves gathering at least min_shared
+        positions (shared_prefix_groups)}."""
         lens = [c.start + 1 for c in singles]  # each sequence's visible length (its new token included)
-        prefix = shared_prefix_groups(singles, g, bs) if window is None else []
+        prefix = shared_prefix_groups(singles, g, bs, min_shared) if window is None else []
         first = [0] * len(singles)  # the first block each sequence gathers itself
         for members, k in prefix:
             for i in members:

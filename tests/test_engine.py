@@ -252,14 +252,16 @@ def test_the_tokens_do_not_depend_on_how_the_engine_schedules_them(name):
 def test_shared_prefix_groups_hand_worked():
     """Blocks of 4. Sequences a, b, c begin with blocks 5, 6 (c and a also share block 7, b does not); d is alone.
     The group is a, b, c with k = 2 shared blocks, never the block a sequence writes its new token to; it is used
-    when the blocks it saves (2 members x 2 blocks) are at least a quarter of all the step gathers."""
+    when the positions it saves gathering (2 members x 2 blocks x 4) reach the minimum."""
     def single(table, start):
         return SimpleNamespace(start=start, seq=SimpleNamespace(tables=[table]))
 
-    a, b, c = single([5, 6, 7, 9], 14), single([5, 6, 8, 10], 13), single([5, 6, 7, 11], 12)
-    assert shared_prefix_groups([a, b, c, single([20, 21], 5)], 0, 4) == [([0, 1, 2], 2)]  # 4 x 4 >= 4+4+4+2
-    assert shared_prefix_groups([a, b, c, single(list(range(20, 30)), 39)], 0, 4) == []  # 16 < 22
+    a, b, c, d = single([5, 6, 7, 9], 14), single([5, 6, 8, 10], 13), single([5, 6, 7, 11], 12), single([20, 21], 5)
+    assert shared_prefix_groups([a, b, c, d], 0, 4, min_shared=16) == [([0, 1, 2], 2)]
+    assert shared_prefix_groups([a, b, c, d], 0, 4, min_shared=17) == []
     assert shared_prefix_groups([a, single([5, 6, 7], 8)], 0, 4) == [([0, 1], 2)]  # block 7 is being written to
+    assert shared_prefix_groups([d, single([20], 3)], 0, 4) == []  # the second writes to block 20 (position 3)
+    assert shared_prefix_groups([d, single([20, 22], 4)], 0, 4) == [([0, 1], 1)]  # block 20 is full for both
 
 
 @pytest.mark.parametrize("name", ["qwen3", "olmo3"])
@@ -272,11 +274,13 @@ def test_the_samples_of_a_prompt_attend_to_its_blocks_once_and_sample_what_gener
     g = torch.Generator().manual_seed(6)
     prompts = [p for n in (13, 17, 22) for p in [torch.randint(3, 131, (n,), generator=g).tolist()] * 4]
     expected, expected_lp = reference(model, prompts, 10, seed=5, return_logprobs=True)
-    engine = RolloutEngine(model, block_size=4)
+    engine = RolloutEngine(model, block_size=4, shared_prefix_min_bytes=0)  # these tiny shapes save a few bytes
     tokens, logprobs = engine.generate(prompts, 10, seed=5, return_logprobs=True)
     assert tokens == expected
     torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2e-5)
     assert engine.stats["shared_prefix_steps"] >= 8  # of 9 decode steps (10 tokens, the first sampled by prefill)
+    by_default = RolloutEngine(model, block_size=4)  # SHARED_PREFIX_MIN_BYTES: not worth it at this size
+    assert by_default.generate(prompts, 10, seed=5) == expected and by_default.stats["shared_prefix_steps"] == 0
 
 
 def pool_bytes_per_position(model):
