@@ -60,7 +60,7 @@ SHARED_PREFIX_MIN_BYTES = 4 * 2**20
 """CPU decode steps attend to the prompt blocks a group of sequences shares once per group when that saves at least
 this many bytes of keys and values gathered per layer (shared_prefix_groups). The extra pass and merge cost a fixed
 few ops a layer: on an AVX2-only EPYC (Zen 2), 2 threads, SmolLM2-135M's heads (1.5 KB of keys and values a
-position), saving 768 positions (3 groups x 4 x 64) was 1.74x slower, 1,792 positions level (1.00x, 0.98x), 3,584
+position), saving 768 positions (4 groups x 3 x 64) was 1.74x slower, 1,792 positions level (1.00x, 0.98x), 3,584
 positions 0.76x and 14,336 (workload C) 0.56x the time of gathering every sequence's keys (bench/RESULTS.md)."""
 
 
