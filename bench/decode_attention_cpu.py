@@ -126,18 +126,25 @@ def main():
 
     ways = [("padded", padded), ("gather, new", gather_new), ("gather, reused", gather_reused),
             ("blocks in place", blocks_in_place)]
+    kv_mb = 2 * S * L * nkv * hs * 4 / 1e6
+    check_and_time(ways, reference, args.repeats,
+                   f"decode attention, one layer: {S} sequences x {L} positions, {nkv} kv heads x {G} queries of "
+                   f"{hs}, blocks of {bs} ({kv_mb:.1f} MB of keys and values visible), float32, {args.threads} "
+                   f"threads, torch {torch.__version__}")
+
+
+def check_and_time(ways, reference, repeats, title):
+    """Check every (name, fn) of `ways` against the float64 reference, then print the table of their times, each
+    against the first way's."""
     for name, fn in ways:
         err = (fn().double() - reference).abs().max().item()
         assert err < 1e-4, (name, err)
-    kv_mb = 2 * S * L * nkv * hs * 4 / 1e6
-    print(f"decode attention, one layer: {S} sequences x {L} positions, {nkv} kv heads x {G} queries of {hs}, "
-          f"blocks of {bs} ({kv_mb:.1f} MB of keys and values visible), float32, {args.threads} threads, "
-          f"torch {torch.__version__}")
-    print("| way | ms / layer | vs padded |")
+    print(title)
+    print(f"| way | ms / layer | vs {ways[0][0]} |")
     print("|---|---:|---:|")
     floor = None
     for name, fn in ways:
-        ms = timed(fn, args.repeats)
+        ms = timed(fn, repeats)
         floor = floor or ms
         print(f"| {name} | {ms:.2f} | {ms / floor:.2f}x |", flush=True)
 
@@ -202,19 +209,10 @@ def shared_prefix(args):
     k_ref = k_pool.view(-1, hs)[rows_all].view(S, nkv, T, hs).double()
     v_ref = v_pool.view(-1, hs)[rows_all].view(S, nkv, T, hs).double()
     reference = torch.softmax((q.double() @ k_ref.transpose(-1, -2)) * hs ** -0.5 + bias_all.double(), -1) @ v_ref
-    ways = [("gathered", gathered), ("shared once", shared_once)]
-    for name, fn in ways:
-        err = (fn().double() - reference).abs().max().item()
-        assert err < 1e-4, (name, err)
-    print(f"decode attention, one layer: {n_groups} groups x {n} sequences, {P} shared positions + {own} own, {nkv} kv "
-          f"heads x {G} queries of {hs}, blocks of {bs}, float32, {args.threads} threads, torch {torch.__version__}")
-    print("| way | ms / layer | vs gathered |")
-    print("|---|---:|---:|")
-    floor = None
-    for name, fn in ways:
-        ms = timed(fn, args.repeats)
-        floor = floor or ms
-        print(f"| {name} | {ms:.2f} | {ms / floor:.2f}x |", flush=True)
+    check_and_time([("gathered", gathered), ("shared once", shared_once)], reference, args.repeats,
+                   f"decode attention, one layer: {n_groups} groups x {n} sequences, {P} shared positions + {own} own, "
+                   f"{nkv} kv heads x {G} queries of {hs}, blocks of {bs}, float32, {args.threads} threads, "
+                   f"torch {torch.__version__}")
 
 
 if __name__ == "__main__":
