@@ -17,13 +17,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WALL_CLOCK = ("time/", "tokens_per_s")
 
 
-def ppo_train(*args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "ppo_core.train", "--progress=false", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def ppo_train_together(*argvs, cwd):
     """ppo-train with each argument list, all at once (each runs in one thread: 2 cores run two)."""
     procs = background.together(*[([sys.executable, "-m", "ppo_core.train", "--progress=false", *a], cwd)
