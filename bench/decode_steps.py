@@ -38,8 +38,8 @@ def main():
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cache-dir", default=os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                                                        "ppo_core", "bench-rollout"))
+    cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    ap.add_argument("--cache-dir", default=os.path.join(cache_home, "ppo_core", "bench-rollout"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = ppo_core.load_model(checkpoint(args.model, False, args.cache_dir)).eval()

@@ -153,8 +153,8 @@ class RolloutEngine:
         Afterwards `self.stats` holds the call's accounting: computed_tokens (positions run through the model),
         useful_tokens (tokens returned), steps, prefix_hit_tokens (prompt positions found in the pool, not
         computed), shared_prefix_steps (CPU steps whose decode attention read shared prompt blocks once per group of
-        sequences holding them, StepBatch.decode_plan), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in use at the peak, in bytes) with
-        kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group),
+        sequences holding them, StepBatch.decode_plan), preemptions, pool_bytes (allocated), peak_kv_bytes (blocks in
+        use at the peak, in bytes) with kv_token_bytes_at_peak (the bytes of the tokens those blocks held) and sequences_at_peak, blocks (per group),
         cuda_graphs ("on", or "off: " and why), static_steps (decode-only steps run on the static buffers),
         graph_captures, graph_replays, graph_capture_s (seconds of warm-up and capture); with on_turn_end also turns,
         observation_tokens and busy_fraction (the share of the call's wall time spent in steps, not waiting on tools
@@ -188,7 +188,8 @@ class RolloutEngine:
         for seq in sequences:
             if budgets[seq.index] > 0:
                 sched.add(seq)
-        stats = dict(computed_tokens=0, steps=0, shared_prefix_steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0, sequences_at_peak=0,
+        stats = dict(computed_tokens=0, steps=0, shared_prefix_steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0,
+                     sequences_at_peak=0,
                      pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
         no_graphs = graphs_unavailable(model, device, self.cuda_graphs)
         static = None  # the decode-only steps' buffers and graphs, for this call (the pool's lifetime)
