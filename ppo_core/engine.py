@@ -239,6 +239,7 @@ class RolloutEngine:
                 continue_episode(pending.pop(future), future.result(), parked=True)
 
         scratch = Scratch()  # the gathered keys and values, reused by every layer and step of this call
+        layer_pools = [LayerPool(pools[g][0][i], pools[g][1][i]) for g, i in zip(group_of, index_in_group)]
         packed = can_pack_for_cpu(model)
         with cpu_packed_linears(model, min(n, self.max_num_seqs)) if packed else nullcontext():
             while not sched.done:
@@ -263,7 +264,7 @@ class RolloutEngine:
                         logits = logits[torch.tensor(sampling_rows, device=device)]  # [S, V]
                     n_tokens = len(step.chunks)
                 else:
-                    attend = lambda i, q, k, v: batch.attend(pools, i, q, k, v)  # noqa: E731
+                    attend = lambda i, q, k, v: batch.attend(layer_pools, i, q, k, v)  # noqa: E731
                     hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
                                    return_hidden=True)  # [N + pad, H]
                     last = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
@@ -327,13 +328,14 @@ def sample(logits, seqs, seed, temperature, top_p, top_k, greedy, return_logprob
     if greedy:
         chosen = logits.argmax(-1)
     else:
-        probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+        scaled = logits if temperature == 1.0 else logits / temperature  # (x / 1 is x: one pass over [S, V] saved)
+        probs = filter_logits(scaled, top_k, top_p).softmax(-1)
         uniforms = counter_uniforms(seed, torch.tensor([s.row for s in seqs], device=logits.device),
                                     torch.tensor([s.generated for s in seqs], device=logits.device))
         chosen = sample_from_probs(probs, uniforms)
     logprobs = entropy = None
     if return_logprobs:
-        lp = torch.log_softmax(logits / (1.0 if greedy else temperature), -1)  # [S, V]
+        lp = torch.log_softmax(logits if greedy or temperature == 1.0 else logits / temperature, -1)  # [S, V]
         logprobs = lp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
         if return_entropy:
             entropy = (-(lp.exp() * lp).sum(-1)).tolist()
@@ -342,12 +344,12 @@ def sample(logits, seqs, seed, temperature, top_p, top_k, greedy, return_logprob
 
 def gathered_decode_attention(q, k, v, bias):
     """softmax(q k^T / sqrt(hs) + bias) v for q [B, nkv, g, hs] (a kv head's g query heads as rows), k, v
-    [B, nkv, T, hs] gathered from the pool, bias [B, 1, 1, T] (0 or -inf), in the cache's dtype with autocast off.
-    The CPU's decode attention: at these shapes (a few query rows over a few hundred keys) two batched matmuls
-    take 0.6x the time of SDPA's CPU flash kernel (measured at SmolLM2-135M's heads, 64 sequences, 160 keys)."""
-    with torch.autocast(q.device.type, enabled=False) if autocast_dtype(q.device.type) else nullcontext():
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)  # [B, nkv, g, T]
-        return torch.matmul(scores.softmax(-1), v)  # [B, nkv, g, hs]
+    [B, nkv, T, hs] gathered from the pool, bias [B, 1, 1, T] (0 or -inf), in the cache's dtype; the caller turns
+    autocast off. The CPU's decode attention: at these shapes (a few query rows over a few hundred keys) two batched
+    matmuls take 0.6x the time of SDPA's CPU flash kernel (measured at SmolLM2-135M's heads, 64 sequences, 160
+    keys)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)  # [B, nkv, g, T]
+    return torch.matmul(scores.softmax(-1), v)  # [B, nkv, g, hs]
 
 
 def profiled(name):
@@ -407,6 +409,18 @@ def row_bucket(n: int, device) -> int:
     return -(-n // unit) * unit
 
 
+class LayerPool:
+    """One layer's keys and values in the pool, [blocks + 1, block_size, nkv, hs] each, with the views a step
+    reads them through, made once a call: by slot ([slots, nkv, hs]: where new keys are written) and by row
+    ([slots x nkv, hs]: what the CPU's gathers index)."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+        nkv, hs = k.shape[2], k.shape[3]
+        self.k_slots, self.v_slots = k.view(-1, nkv, hs), v.view(-1, nkv, hs)
+        self.k_rows, self.v_rows = k.view(-1, hs), v.view(-1, hs)
+
+
 class Scratch:
     """Buffers reused across the layers and steps of one generate call, for the keys and values gathered out of the
     pool. A fresh tensor of tens of MB is a fresh mmap on glibc (above its 32 MB threshold), and page-faulting it in
@@ -432,6 +446,8 @@ class StepBatch:
     def __init__(self, step, windows, group_of, index_in_group, block_size, n_blocks, n_kv_heads, device, dtype,
                  scratch=None, min_shared=0):
         self.scratch = scratch if scratch is not None else Scratch()
+        self.views = {}  # (scratch buffer name, layer group) -> its views this step (gather)
+        self.autocast = autocast_dtype(device.type) is not None  # attention then runs with autocast off
         self.chunks, self.copies = step.chunks, step.copies
         self.windows, self.group_of, self.index_in_group = windows, group_of, index_in_group
         bs, nkv = block_size, n_kv_heads
@@ -556,61 +572,65 @@ class StepBatch:
         where = {id(c): s + c.length - 1 for c, s in zip(self.chunks, self.starts)}
         return torch.tensor([where[id(c)] for c in chunks], dtype=torch.long, device=self.input_ids.device)
 
-    def attend(self, pools, layer, q, k, v):
-        """Layer `layer`'s attention for the flat batch: store k, v [N, nkv, hs] in the pool, then attend each
-        sequence's queries q [N, nh, hs] over its cached keys. -> [N, nh, hs]."""
-        g, i = self.group_of[layer], self.index_in_group[layer]
-        k_pool, v_pool = pools[g][0][i], pools[g][1][i]  # [blocks, block_size, nkv, hs]
+    def attend(self, layer_pools, layer, q, k, v):
+        """Layer `layer`'s attention for the flat batch: store k, v [N, nkv, hs] in its pool (layer_pools[layer]),
+        then attend each sequence's queries q [N, nh, hs] over its cached keys. -> [N, nh, hs]."""
+        g, pool = self.group_of[layer], layer_pools[layer]
+        k_pool, v_pool = pool.k, pool.v  # [blocks, block_size, nkv, hs]
         nkv, hs = k_pool.shape[2], k_pool.shape[3]
         with profiled("engine.cache_write"):
-            k_pool.view(-1, nkv, hs).index_copy_(0, self.slots[g], k.to(k_pool.dtype))
-            v_pool.view(-1, nkv, hs).index_copy_(0, self.slots[g], v.to(v_pool.dtype))
+            # (k and v differ from the pool's dtype under autocast; a same-dtype cast is still a dispatched op)
+            k = k if k.dtype == k_pool.dtype else k.to(k_pool.dtype)
+            v = v if v.dtype == v_pool.dtype else v.to(v_pool.dtype)
+            pool.k_slots.index_copy_(0, self.slots[g], k)
+            pool.v_slots.index_copy_(0, self.slots[g], v)
             for source, destination, n_slots in self.copies[g]:  # copy-on-write, after the source's own writes
                 k_pool[destination, :n_slots] = k_pool[source, :n_slots]
                 v_pool[destination, :n_slots] = v_pool[source, :n_slots]
         with profiled("engine.attention"):
-            q_cache = q.to(k_pool.dtype)  # attention runs in the cache's dtype (float32 under CPU autocast)
+            # attention runs in the cache's dtype (float32 under CPU autocast)
+            q_cache = q if q.dtype == k_pool.dtype else q.to(k_pool.dtype)
             if self.n_single == len(q) and not self.triton:
                 # decode only, no padding rows (most CPU steps): the gathered attention's output is the output
-                return self.gathered_singles(g, q_cache, k_pool, v_pool)
+                return self.gathered_singles(g, q_cache, pool)
             out = torch.empty_like(q_cache)  # [N + pad, nh, hs]; Attention casts it back to q's dtype
             out[self.n_tokens :] = 0  # the padding rows' (never read)
             if self.n_single and self.triton:
                 out[: self.n_single] = paged_decode_attention(q_cache[: self.n_single], k_pool, v_pool, self.tables[g],
                                                               self.seq_lens, self.windows[g])
             elif self.n_single:
-                out[: self.n_single] = self.gathered_singles(g, q_cache[: self.n_single], k_pool, v_pool)
+                out[: self.n_single] = self.gathered_singles(g, q_cache[: self.n_single], pool)
             if self.prefills[g] is not None:  # every chunk of several tokens in one SDPA call
                 query_rows, real, out_rows, key_rows, mask = self.prefills[g]
                 nh = q.shape[1]
                 queries = q_cache.index_select(0, query_rows).view(-1, self.prefill_len, nh, hs).transpose(1, 2)
                 Bp = queries.shape[0]  # [Bp, nh, Tmax, hs]
-                keys_k = self.gather(k_pool, key_rows, "prefill_k", Bp, nkv, hs)  # [Bp, nkv, Smax, hs]
-                keys_v = self.gather(v_pool, key_rows, "prefill_v", Bp, nkv, hs)
+                keys_k = self.gather(pool.k_rows, key_rows, "prefill_k", g, Bp, nkv, hs)  # [Bp, nkv, Smax, hs]
+                keys_v = self.gather(pool.v_rows, key_rows, "prefill_v", g, Bp, nkv, hs)
                 y = attention(queries, keys_k, keys_v, mask, is_causal=mask is None)  # [Bp, nh, Tmax, hs]
                 out.index_copy_(0, out_rows, y.transpose(1, 2).reshape(-1, nh, hs)[real].to(out.dtype))
         return out
 
-    def gathered_singles(self, g, q, k_pool, v_pool):
+    def gathered_singles(self, g, q, pool):
         """The one-token sequences' attention on the CPU (decode_plan): gather each sequence's visible keys and values
         (from its first block that no group shares), two batched matmuls; where groups of sequences share prompt
         blocks, those are gathered once per group and attended by the group's queries together, and the two parts
         merge by their log-sum-exp (as flash-decoding merges its splits). q [Bs, nh, hs] -> [Bs, nh, hs]."""
-        (B, nh, hs), nkv = q.shape, k_pool.shape[2]
+        (B, nh, hs), nkv = q.shape, pool.k.shape[2]
         plan, G = self.single_plans[g], nh // nkv
         queries = q.view(B, nkv, G, hs)  # [Bs, nkv, G, hs]: a kv head's query heads as rows
-        keys_k = self.gather(k_pool, plan["rows"], "k", B, nkv, hs)  # [Bs, nkv, T, hs]
-        keys_v = self.gather(v_pool, plan["rows"], "v", B, nkv, hs)
-        if plan["prefix"] is None:
-            return gathered_decode_attention(queries, keys_k, keys_v, plan["bias"]).view(B, nh, hs)
-        rows, bias, query_index, back, n_max = plan["prefix"]
-        Gc = bias.shape[0]
-        with torch.autocast(q.device.type, enabled=False) if autocast_dtype(q.device.type) else nullcontext():
+        keys_k = self.gather(pool.k_rows, plan["rows"], "k", g, B, nkv, hs)  # [Bs, nkv, T, hs]
+        keys_v = self.gather(pool.v_rows, plan["rows"], "v", g, B, nkv, hs)
+        with torch.autocast(q.device.type, enabled=False) if self.autocast else nullcontext():
+            if plan["prefix"] is None:
+                return gathered_decode_attention(queries, keys_k, keys_v, plan["bias"]).view(B, nh, hs)
+            rows, bias, query_index, back, n_max = plan["prefix"]
+            Gc = bias.shape[0]
             own, own_max, own_sum = partial_attention(queries, keys_k, keys_v, plan["bias"])  # [Bs, nkv, G, hs | 1]
             group_q = torch.cat([queries, queries.new_zeros(1, nkv, G, hs)]).index_select(0, query_index)
             group_q = group_q.view(Gc, n_max, nkv, G, hs).transpose(1, 2).reshape(Gc, nkv, n_max * G, hs)
-            prefix_k = self.gather(k_pool, rows, "prefix_k", Gc, nkv, hs)  # [Gc, nkv, K bs, hs]
-            prefix_v = self.gather(v_pool, rows, "prefix_v", Gc, nkv, hs)
+            prefix_k = self.gather(pool.k_rows, rows, "prefix_k", g, Gc, nkv, hs)  # [Gc, nkv, K bs, hs]
+            prefix_v = self.gather(pool.v_rows, rows, "prefix_v", g, Gc, nkv, hs)
             shared = partial_attention(group_q, prefix_k, prefix_v, bias)  # [Gc, nkv, n_max G, hs | 1]
             none = (0.0, float("-inf"), 0.0)  # a sequence in no group: nothing from the shared part
             shared_out, shared_max, shared_sum = (
@@ -622,9 +642,13 @@ class StepBatch:
             out = (own * a_own + shared_out * a_shared) / (own_sum * a_own + shared_sum * a_shared)
         return out.view(B, nh, hs)
 
-    def gather(self, pool, rows, name, B, nkv, hs):
-        """The pool's rows `rows` (of the pool seen as [slots x nkv, hs]) into scratch buffer `name`, as
-        [B, nkv, T, hs]."""
-        out = self.scratch.take(name, (len(rows), hs), pool.dtype, pool.device)
-        torch.index_select(pool.view(-1, hs), 0, rows, out=out)
-        return out.view(B, nkv, -1, hs)
+    def gather(self, pool_rows, rows, name, g, B, nkv, hs):
+        """The rows `rows` of a pool seen as [slots x nkv, hs] (LayerPool) into scratch buffer `name`, as
+        [B, nkv, T, hs]. The buffer's views are made once a step for each layer group (every layer of a group
+        gathers the same number of rows)."""
+        views = self.views.get((name, g))
+        if views is None:
+            out = self.scratch.take(name, (len(rows), hs), pool_rows.dtype, pool_rows.device)
+            views = self.views[name, g] = (out, out.view(B, nkv, -1, hs))
+        torch.index_select(pool_rows, 0, rows, out=views[0])
+        return views[1]

@@ -227,6 +227,38 @@ def test_legacy_rope_config_format_reads_like_the_new_one():
     assert b.rope_parameters["full_attention"]["rope_type"] == "llama3"
 
 
+# ------------------------------------------------------------------------------------- decoding's short forms
+
+
+def test_rope_and_norm_short_forms_give_the_plain_formulas_bits():
+    """apply_rope's roll against a sign-folded sin table, and RMSNorm's single F.rms_norm call (CPU, float32, no
+    autograd), give exactly the bits of the formulas they replace: x cos + cat(-x2, x1) sin, and weight * (x /
+    sqrt(mean(x^2) + eps)) as the autograd path computes it; both within rounding of float64."""
+    from ppo_core.model import RMSNorm, apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    for shape, table in (((2, 3, 5, 8), (2, 1, 5, 8)), ((1, 7, 3, 8), (1, 7, 1, 8))):  # head- and token-major
+        x, cos, sin = (torch.randn(s, generator=g) for s in (shape, table, table))
+        x1, x2 = x.chunk(2, -1)
+        plain = x * cos + torch.cat((-x2, x1), -1) * sin
+        signed = torch.cat((-sin[..., :4], sin[..., 4:]), -1)
+        assert torch.equal(apply_rope(x, cos, signed), plain)
+        xd = x.double()
+        reference = xd * cos.double() + torch.cat((-xd[..., 4:], xd[..., :4]), -1) * sin.double()
+        torch.testing.assert_close(apply_rope(x, cos, signed).double(), reference, rtol=0, atol=1e-6)
+    norm = RMSNorm(12, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    x = 3 * torch.randn(2, 5, 12, generator=g)
+    with torch.no_grad():
+        short = norm(x)
+    plain = norm(x)  # autograd on: the op-by-op path
+    assert plain.requires_grad and torch.equal(short, plain.detach())
+    xd = x.double()
+    reference = norm.weight.double() * xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    torch.testing.assert_close(short.double(), reference, rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------- cache and generate
 
 
