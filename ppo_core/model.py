@@ -844,8 +844,7 @@ class Backbone(nn.Module):
                                             nested=a.family == "olmo3")
             freqs = torch.arange(n, device=device).float()[:, None] * inv_freq.to(device)[None, :]  # [N, hs/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [N, hs]
-            sign = torch.cat((-torch.ones(freqs.shape[1]), torch.ones(freqs.shape[1]))).to(device)  # [hs]
-            table = (emb.cos() * scale, emb.sin() * scale * sign)
+            table = (emb.cos() * scale, torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale)
             self._rope_tables[key] = table
         return table
 
