@@ -1,14 +1,23 @@
-"""One layer's decode attention on the CPU over a paged KV pool, four ways, at one shape (default: Qwen3-0.6B's heads,
+"""Decode attention on the CPU over a paged KV pool, five ways, at one shape (default: Qwen3-0.6B's heads,
 64 sequences x 160 positions, blocks of 16 in a shuffled pool), in ms per layer:
 
-    python bench/decode_attention_cpu.py                      # 2 threads
+    python bench/decode_attention_cpu.py                      # 2 threads, one layer
     python bench/decode_attention_cpu.py --threads 1 --seqs 64 --positions 160 --kv-heads 8 --group 2 --head-dim 128
+    python bench/decode_attention_cpu.py --layers 30 --kv-heads 3 --group 3 --head-dim 64   # SmolLM2-135M's step
+
+--layers N: N layers, each with a pool of its own, attended one after another as a decode step does (ms per
+layer): with one layer the same pool is read every call and what fits stays in the CPU's caches; with a model's
+layers (SmolLM2-135M: 30) the pools come from memory, as in the engine.
 
   padded            the keys already contiguous per sequence (a padded cache, as ppo_core.generate holds it): two
                     batched matmuls, the floor for the others
   gather, new       index_select of every visible key and value row into a fresh tensor, then the two matmuls
                     (the engine's CPU decode before engine.Scratch)
-  gather, reused    the same into buffers allocated once (the engine's CPU decode now: engine.Scratch)
+  gather, reused    the same into buffers allocated once (engine.Scratch: the engine's CPU decode while a step's keys
+                    and values come to at most GATHER_AT_ONCE_BYTES a layer)
+  gather, chunks    the same a few sequences at a time, into buffers of at most --chunk-bytes (default: the engine's
+                    GATHER_CHUNK_BYTES), each chunk attended before the next is gathered (the engine's CPU decode
+                    beyond GATHER_AT_ONCE_BYTES: StepBatch.gathered_in_chunks)
   blocks in place   no gather: the pool in a head-major layout [blocks, kv heads, block, head_dim], each block's
                     scores against its sequence's queries (the queries gathered to the blocks), a softmax per block,
                     then the blocks of each sequence merged in table order (a segmented softmax, as flash-decoding
@@ -26,7 +35,9 @@ and every sequence --positions more of its own, two ways:
                     the two parts merged by log-sum-exp
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -52,6 +63,9 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=1, help="layers attended one after another, each its own pool")
+    ap.add_argument("--chunk-bytes", type=int, default=None,
+                    help="'gather, chunks': bytes of keys gathered at a time (default: ppo_core.engine's)")
     ap.add_argument("--shared", action="store_true", help="groups sharing a prompt's blocks (see the docstring)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
@@ -59,13 +73,21 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.chunk_bytes is None:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from ppo_core.engine import GATHER_CHUNK_BYTES
+
+        args.chunk_bytes = GATHER_CHUNK_BYTES
     if args.shared:
         return shared_prefix(args)
     S, L, nkv, G, hs, bs = args.seqs, args.positions, args.kv_heads, args.group, args.head_dim, args.block_size
+    N = args.layers
     width = -(-L // bs)  # blocks per sequence
     T = width * bs
     n_blocks = S * width + 50  # a few blocks free
-    k_pool, v_pool = torch.randn(n_blocks, bs, nkv, hs), torch.randn(n_blocks, bs, nkv, hs)  # the engine's layout
+    # one pool per layer, in the engine's layout [blocks, block_size, nkv, hs]
+    k_pools = [torch.randn(n_blocks, bs, nkv, hs) for _ in range(N)]
+    v_pools = [torch.randn(n_blocks, bs, nkv, hs) for _ in range(N)]
     tables = torch.randperm(n_blocks)[: S * width].view(S, width)  # [S, width] shuffled, as a long-running pool is
     q = torch.randn(S, nkv, G, hs)
     visible = torch.arange(T)[None, :] < L  # [1, T]
@@ -74,33 +96,49 @@ def main():
 
     slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, T]
     rows = (slots[:, None, :] * nkv + torch.arange(nkv)[None, :, None]).flatten()  # [S nkv T] rows of [slots nkv, hs]
-    k_ref = k_pool.view(-1, hs)[rows].view(S, nkv, T, hs).double()
-    v_ref = v_pool.view(-1, hs)[rows].view(S, nkv, T, hs).double()
+    k_ref = k_pools[0].view(-1, hs)[rows].view(S, nkv, T, hs).double()  # every way is checked on layer 0
+    v_ref = v_pools[0].view(-1, hs)[rows].view(S, nkv, T, hs).double()
     reference = torch.softmax((q.double() @ k_ref.transpose(-1, -2)) * scale + bias.double(), -1) @ v_ref
 
-    def two_matmuls(keys, values):
+    def two_matmuls(keys, values, q=q, bias=bias):
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)  # [S, nkv, G, T]
         return torch.matmul(scores.softmax(-1), values)  # [S, nkv, G, hs]
 
-    k_padded, v_padded = k_ref.float().contiguous(), v_ref.float().contiguous()
+    k_padded = [k.view(-1, hs)[rows].view(S, nkv, T, hs) for k in k_pools]
+    v_padded = [v.view(-1, hs)[rows].view(S, nkv, T, hs) for v in v_pools]
 
-    def padded():
-        return two_matmuls(k_padded, v_padded)
+    def padded(i):
+        return two_matmuls(k_padded[i], v_padded[i])
 
-    def gather_new():
-        keys = k_pool.view(-1, hs).index_select(0, rows).view(S, nkv, T, hs)
-        values = v_pool.view(-1, hs).index_select(0, rows).view(S, nkv, T, hs)
+    def gather_new(i):
+        keys = k_pools[i].view(-1, hs).index_select(0, rows).view(S, nkv, T, hs)
+        values = v_pools[i].view(-1, hs).index_select(0, rows).view(S, nkv, T, hs)
         return two_matmuls(keys, values)
 
     k_buf, v_buf = torch.empty(len(rows), hs), torch.empty(len(rows), hs)
 
-    def gather_reused():
-        torch.index_select(k_pool.view(-1, hs), 0, rows, out=k_buf)
-        torch.index_select(v_pool.view(-1, hs), 0, rows, out=v_buf)
+    def gather_reused(i):
+        torch.index_select(k_pools[i].view(-1, hs), 0, rows, out=k_buf)
+        torch.index_select(v_pools[i].view(-1, hs), 0, rows, out=v_buf)
         return two_matmuls(k_buf.view(S, nkv, T, hs), v_buf.view(S, nkv, T, hs))
 
+    per_sequence = nkv * T  # pool rows each sequence gathers
+    chunk = min(S, max(1, args.chunk_bytes // (per_sequence * hs * 4)))  # sequences per gather, as the engine chooses
+
+    def gather_chunks(i):
+        out = torch.empty_like(q)
+        for first in range(0, S, chunk):
+            n = min(chunk, S - first)
+            part = rows[first * per_sequence : (first + n) * per_sequence]
+            keys = torch.index_select(k_pools[i].view(-1, hs), 0, part, out=k_buf[: n * per_sequence])
+            values = torch.index_select(v_pools[i].view(-1, hs), 0, part, out=v_buf[: n * per_sequence])
+            out[first : first + n] = two_matmuls(keys.view(n, nkv, T, hs), values.view(n, nkv, T, hs),
+                                                 q[first : first + n], bias[first : first + n])
+        return out
+
     # blocks in place: a head-major copy of the pool (the layout this way would need), blocks 0..used-1 computed
-    k_heads, v_heads = k_pool.transpose(1, 2).contiguous(), v_pool.transpose(1, 2).contiguous()  # [blocks, nkv, bs, hs]
+    k_heads = [k.transpose(1, 2).contiguous() for k in k_pools]  # [blocks, nkv, bs, hs]
+    v_heads = [v.transpose(1, 2).contiguous() for v in v_pools]
     used = int(tables.max()) + 1
     owner = torch.full((used,), S, dtype=torch.long)  # the sequence reading each block; S = none (a zero query)
     owner[tables.flatten()] = torch.arange(S).repeat_interleave(width)
@@ -111,13 +149,13 @@ def main():
     q_padded = torch.cat([q, q.new_zeros(1, nkv, G, hs)])  # [S + 1, nkv, G, hs]
     pairs = tables.flatten()  # each sequence's blocks in table order
 
-    def blocks_in_place():
+    def blocks_in_place(i):
         queries = q_padded.index_select(0, owner)  # [used, nkv, G, hs]
-        scores = torch.matmul(queries, k_heads[:used].transpose(-1, -2)).mul_(scale).add_(block_bias)  # [.., G, bs]
+        scores = torch.matmul(queries, k_heads[i][:used].transpose(-1, -2)).mul_(scale).add_(block_bias)  # [.., G, bs]
         m = scores.amax(-1, keepdim=True).clamp_(min=-1e30)  # [used, nkv, G, 1]
         p = (scores - m).exp_()
         l = p.sum(-1, keepdim=True)
-        o = torch.matmul(p, v_heads[:used])  # [used, nkv, G, hs]
+        o = torch.matmul(p, v_heads[i][:used])  # [used, nkv, G, hs]
         m_s = m.index_select(0, pairs).view(S, width, nkv, G, 1)
         l_s = l.index_select(0, pairs).view(S, width, nkv, G, 1)
         o_s = o.index_select(0, pairs).view(S, width, nkv, G, hs)
@@ -125,34 +163,34 @@ def main():
         return (o_s * w).sum(1) / (l_s * w).sum(1)
 
     ways = [("padded", padded), ("gather, new", gather_new), ("gather, reused", gather_reused),
-            ("blocks in place", blocks_in_place)]
+            (f"gather, chunks of {chunk}", gather_chunks), ("blocks in place", blocks_in_place)]
     kv_mb = 2 * S * L * nkv * hs * 4 / 1e6
-    check_and_time(ways, reference, args.repeats,
-                   f"decode attention, one layer: {S} sequences x {L} positions, {nkv} kv heads x {G} queries of "
-                   f"{hs}, blocks of {bs} ({kv_mb:.1f} MB of keys and values visible), float32, {args.threads} "
-                   f"threads, torch {torch.__version__}")
+    per_layer = [(name, (lambda way: lambda: [way(i) for i in range(N)])(way), (lambda way: lambda: way(0))(way))
+                 for name, way in ways]
+    check_and_time(per_layer, reference, args.repeats,
+                   f"decode attention, {N} layer(s) one after another, ms per layer: {S} sequences x {L} positions, "
+                   f"{nkv} kv heads x {G} queries of {hs}, blocks of {bs} ({kv_mb:.1f} MB of keys and values visible "
+                   f"a layer), chunks of at most {args.chunk_bytes / 2**20:.2f} MiB of keys, float32, {args.threads} "
+                   f"threads, torch {torch.__version__}", per=N)
 
 
-def check_and_time(ways, reference, repeats, title):
-    """Check every (name, fn) of `ways` against the float64 reference, then print the table of their times, each
-    against the first way's."""
-    for name, fn in ways:
-        err = (fn().double() - reference).abs().max().item()
+def check_and_time(ways, reference, repeats, title, per=1):
+    """Check every (name, fn[, check]) of `ways` against the float64 reference (check(), or fn()), then print the
+    table of their times (fn's, / per), each against the first way's."""
+    for name, fn, *check in ways:
+        err = ((check[0] if check else fn)().double() - reference).abs().max().item()
         assert err < 1e-4, (name, err)
     print(title)
     print(f"| way | ms / layer | vs {ways[0][0]} |")
     print("|---|---:|---:|")
     floor = None
-    for name, fn in ways:
-        ms = timed(fn, repeats)
+    for name, fn, *_ in ways:
+        ms = timed(fn, repeats) / per
         floor = floor or ms
         print(f"| {name} | {ms:.2f} | {ms / floor:.2f}x |", flush=True)
 
 
 def shared_prefix(args):
-    import os
-    import sys
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ppo_core.engine import partial_attention
 

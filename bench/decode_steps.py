@@ -5,9 +5,14 @@ bench/rollout.py) is a long run of steps of a few sequences, so this is where pe
     python bench/decode_steps.py                                   # SmolLM2-135M shape, 2 threads
     python bench/decode_steps.py --model Qwen3-0.6B --threads 1 --batches 1 4 16
 
-Each row: prompts of 32 random tokens; a call of --long new tokens minus a call of --short new tokens, over the
-difference in steps (prefill and per-call set-up cancel), the median of --repeats such pairs after a warm-up. The
-checkpoint is bench/rollout.py's (written once into its cache directory).
+Each row: prompts of --prompt-len random tokens (default 32); a call of --long new tokens minus a call of --short new
+tokens, over the difference in steps (prefill and per-call set-up cancel), the median of --repeats such pairs after a
+warm-up. The checkpoint is bench/rollout.py's (written once into its cache directory).
+
+    python bench/decode_steps.py --batches 16 64 --prompt-len 288 --one-gather   # long contexts
+
+--one-gather adds the engine with gather_chunk_bytes=None: each decode step's keys and values gathered all at once,
+as before the engine gathered them a few sequences at a time (ppo_core.engine.GATHER_CHUNK_BYTES).
 """
 import argparse
 import importlib.util
@@ -38,23 +43,29 @@ def main():
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--one-gather", action="store_true", help="also the engine gathering each step's keys at once")
     cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     ap.add_argument("--cache-dir", default=os.path.join(cache_home, "ppo_core", "bench-rollout"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = ppo_core.load_model(checkpoint(args.model, False, args.cache_dir)).eval()
     V = model.args.vocab_size
-    engine = RolloutEngine(model)
+    engines = {"engine": RolloutEngine(model), "one gather": RolloutEngine(model, gather_chunk_bytes=None)}
     g = torch.Generator().manual_seed(0)
+    P = args.prompt_len
 
-    def engine_call(b, n):
-        prompts = torch.randint(1, V, (b, 32), generator=g).tolist()
+    def engine_call(b, n, name="engine"):
+        prompts = torch.randint(1, V, (b, P), generator=g).tolist()
         t0 = time.perf_counter()
-        engine.generate(prompts, n, seed=0)
+        engines[name].generate(prompts, n, seed=0)
         return time.perf_counter() - t0
 
+    def one_gather_call(b, n):
+        return engine_call(b, n, "one gather")
+
     def generate_call(b, n):
-        ids = torch.randint(1, V, (b, 32), generator=g)
+        ids = torch.randint(1, V, (b, P), generator=g)
         t0 = time.perf_counter()
         ppo_core.generate(model, ids, n, stop_at_eos=False, generator=torch.Generator().manual_seed(0))
         return time.perf_counter() - t0
@@ -64,14 +75,19 @@ def main():
         steps = args.long - args.short
         return 1e3 * statistics.median((call(b, args.long) - call(b, args.short)) / steps for _ in range(args.repeats))
 
-    print(f"decode step, {args.model} (random weights), 32-token prompts, float32, {args.threads} threads, "
-          f"torch {torch.__version__}")
-    print("| batch | engine ms/step | generate() ms/step | engine / generate |")
-    print("|---:|---:|---:|---:|")
+    print(f"decode step, {args.model} (random weights), {P}-token prompts, new tokens {args.short + 1}..{args.long}, "
+          f"float32, {args.threads} threads, torch {torch.__version__}")
+    one = args.one_gather
+    print("| batch | engine ms/step |" + (" engine, one gather a step |" if one else "")
+          + " generate() ms/step | engine / generate |" + (" engine / one gather |" if one else ""))
+    print("|---:|---:|---:|---:|" + ("---:|---:|" if one else ""))
     with torch.no_grad():
         for b in args.batches:
-            e, p = per_step(engine_call, b), per_step(generate_call, b)
-            print(f"| {b} | {e:.1f} | {p:.1f} | {e / p:.2f}x |", flush=True)
+            e = per_step(engine_call, b)
+            o = per_step(one_gather_call, b) if one else None
+            p = per_step(generate_call, b)
+            print(f"| {b} | {e:.1f} |" + (f" {o:.1f} |" if one else "") + f" {p:.1f} | {e / p:.2f}x |"
+                  + (f" {e / o:.2f}x |" if one else ""), flush=True)
 
 
 if __name__ == "__main__":

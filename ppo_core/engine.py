@@ -22,8 +22,9 @@ pool of their own, where a sequence holds only the blocks its next query can see
 NoPE, q/k norms: whatever Attention computes) shares the main pool. For the sequences that compute one token in a
 step, attention over the pool is ppo_kernels.paged_attention on CUDA (a Triton flash-decoding kernel that reads
 the blocks in place); on the CPU, each sequence's visible keys gathered into one buffer and two batched matmuls,
-with the blocks that a group of sequences shares (the samples of one prompt) gathered once and attended by the
-group's queries together, merged by log-sum-exp (StepBatch.decode_plan). A prefill chunk runs fused SDPA
+a few sequences at a time when a step's keys would not stay in the CPU's caches (GATHER_CHUNK_BYTES), with the
+blocks that a group of sequences shares (the samples of one prompt) gathered once and attended by the group's queries
+together, merged by log-sum-exp (StepBatch.decode_plan). A prefill chunk runs fused SDPA
 (ppo_core.model.attention) over its gathered keys.
 
 Decode-only steps (every running sequence computes one token; no prefill chunk, no copy-on-write: most of a
@@ -62,6 +63,18 @@ this many bytes of keys and values gathered per layer (shared_prefix_groups). Th
 few ops a layer: on an AVX2-only EPYC (Zen 2), 2 threads, SmolLM2-135M's heads (1.5 KB of keys and values a
 position), saving 768 positions (4 groups x 3 x 64) was 1.74x slower, 1,792 positions level (1.00x, 0.98x), 3,584
 positions 0.76x and 14,336 (workload C) 0.56x the time of gathering every sequence's keys (bench/RESULTS.md)."""
+GATHER_AT_ONCE_BYTES = 16 * 2**20
+GATHER_CHUNK_BYTES = 3 * 2**20
+"""CPU decode steps gather the visible keys and values of all their sequences at once while those come to at most
+GATHER_AT_ONCE_BYTES a layer, and beyond that as many sequences at a time as fit in GATHER_CHUNK_BYTES of keys (as
+many of values), each chunk attended before the next is gathered: buffers that stay in the CPU's caches, not ones
+the gather writes out to memory and the matmuls read back. Measured on an AVX2-only EPYC (Zen 2) with 16 MiB of L3,
+2 threads, layer after layer (bench/decode_attention_cpu.py --layers 30, 64 sequences): chunks took 0.78x and 0.83x
+the time of one gather at 320 and 640 positions at SmolLM2-135M's heads (31 and 63 MB of keys and values a layer),
+0.72x at Qwen3-0.6B's (84 MB); at 160 positions (16 MB) the two were level from run to run, and workload C's own
+keys (up to 13 MB) ran 1.02x slower in chunks (bench/RESULTS.md). Chunks of 1.5 and 6 MiB did worse than 3 (160
+and 320 positions: 2.57 and 3.04, 5.10 and 5.82 against 2.48 and 4.69 ms a layer). A whole decode step of
+SmolLM2-135M, 64 sequences at ~300 positions: 292.7 ms against 387.7 (bench/decode_steps.py --one-gather)."""
 
 
 class RolloutEngine:
@@ -78,16 +91,22 @@ class RolloutEngine:
     static_decode: run decode-only steps on the fixed-shape buffers the graphs replay; None = exactly when graphs
     are used; True without graphs (the CPU, cuda_graphs=False) runs them eagerly: the path the graphs capture.
     shared_prefix_min_bytes: on the CPU, sequences sharing prompt blocks attend to them once per group when that
-    saves at least this many bytes of gathered keys and values per layer (0: whenever blocks are shared)."""
+    saves at least this many bytes of gathered keys and values per layer (0: whenever blocks are shared).
+    gather_at_once_bytes, gather_chunk_bytes: on the CPU, a decode step gathers the keys and values of all its
+    sequences at once while they come to at most gather_at_once_bytes a layer, else the keys of as many sequences at
+    a time as fit in gather_chunk_bytes (at least one; None: always at once), as many values with them
+    (GATHER_CHUNK_BYTES)."""
 
     def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096,
-                 cuda_graphs=True, static_decode=None, shared_prefix_min_bytes=SHARED_PREFIX_MIN_BYTES):
+                 cuda_graphs=True, static_decode=None, shared_prefix_min_bytes=SHARED_PREFIX_MIN_BYTES,
+                 gather_at_once_bytes=GATHER_AT_ONCE_BYTES, gather_chunk_bytes=GATHER_CHUNK_BYTES):
         self.model = model
         self.kv_cache_gb = kv_cache_gb
         self.block_size = block_size or 16
         self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
         self.cuda_graphs, self.static_decode = cuda_graphs, static_decode
         self.shared_prefix_min_bytes = shared_prefix_min_bytes
+        self.gather_at_once_bytes, self.gather_chunk_bytes = gather_at_once_bytes, gather_chunk_bytes
         self.stats = {}
 
     # -- the pool -------------------------------------------------------------------------------------------------
@@ -255,7 +274,8 @@ class RolloutEngine:
                     if not static_step:
                         batch = StepBatch(step, windows, group_of, index_in_group, bs, n_blocks,
                                           a.num_key_value_heads, device, cache_dtype, scratch,
-                                          min_shared=self.shared_prefix_min_bytes // per_block_layer * bs)
+                                          min_shared=self.shared_prefix_min_bytes // per_block_layer * bs,
+                                          gather_bytes=(self.gather_at_once_bytes, self.gather_chunk_bytes))
                 sampling = [c for c in step.chunks if c.samples]
                 if static_step:  # one token per chunk: row i of the logits is chunk i's
                     logits = static.run(step)  # [n, V] float32
@@ -444,8 +464,10 @@ class StepBatch:
     per step on the host, for all layers; the gathered keys and values go into `scratch`'s buffers."""
 
     def __init__(self, step, windows, group_of, index_in_group, block_size, n_blocks, n_kv_heads, device, dtype,
-                 scratch=None, min_shared=0):
+                 scratch=None, min_shared=0, gather_bytes=(None, None)):
         self.scratch = scratch if scratch is not None else Scratch()
+        # RolloutEngine's gather_at_once_bytes, gather_chunk_bytes: how much the CPU decode gathers at a time
+        self.gather_at_once_bytes, self.gather_chunk_bytes = gather_bytes
         self.views = {}  # (scratch buffer name, layer group) -> its views this step (gather)
         self.autocast = autocast_dtype(device.type) is not None  # attention then runs with autocast off
         self.chunks, self.copies = step.chunks, step.copies
@@ -613,20 +635,33 @@ class StepBatch:
 
     def gathered_singles(self, g, q, pool):
         """The one-token sequences' attention on the CPU (decode_plan): gather each sequence's visible keys and values
-        (from its first block that no group shares), two batched matmuls; where groups of sequences share prompt
+        (from its first block that no group shares; a few sequences at a time when they would not stay in the CPU's
+        caches: gathered_in_chunks), two batched matmuls; where groups of sequences share prompt
         blocks, those are gathered once per group and attended by the group's queries together, and the two parts
         merge by their log-sum-exp (as flash-decoding merges its splits). q [Bs, nh, hs] -> [Bs, nh, hs]."""
         (B, nh, hs), nkv = q.shape, pool.k.shape[2]
         plan, G = self.single_plans[g], nh // nkv
         queries = q.view(B, nkv, G, hs)  # [Bs, nkv, G, hs]: a kv head's query heads as rows
-        keys_k = self.gather(pool.k_rows, plan["rows"], "k", g, B, nkv, hs)  # [Bs, nkv, T, hs]
-        keys_v = self.gather(pool.v_rows, plan["rows"], "v", g, B, nkv, hs)
+        T = len(plan["rows"]) // (B * nkv)
+        per_sequence = nkv * T * hs * pool.k.element_size()  # bytes of one sequence's gathered keys
+        at_once = self.gather_chunk_bytes is None or 2 * B * per_sequence <= self.gather_at_once_bytes
+        chunk = B if at_once else max(1, self.gather_chunk_bytes // per_sequence)
+        # each sequence's own keys (all of them, or those after its group's shared blocks): attended whole
+        # (gathered_decode_attention), or unnormalised, to be merged with the shared part (partial_attention)
+        attend_own = gathered_decode_attention if plan["prefix"] is None else partial_attention
+        if chunk < B:  # a few sequences at a time, in buffers that stay in the CPU's caches
+            own = self.gathered_in_chunks(g, queries, pool, chunk, attend_own)
+        else:
+            keys_k = self.gather(pool.k_rows, plan["rows"], "k", g, B, nkv, hs)  # [Bs, nkv, T, hs]
+            keys_v = self.gather(pool.v_rows, plan["rows"], "v", g, B, nkv, hs)
+            with torch.autocast(q.device.type, enabled=False) if self.autocast else nullcontext():
+                own = attend_own(queries, keys_k, keys_v, plan["bias"])
+        if plan["prefix"] is None:
+            return own.view(B, nh, hs)
         with torch.autocast(q.device.type, enabled=False) if self.autocast else nullcontext():
-            if plan["prefix"] is None:
-                return gathered_decode_attention(queries, keys_k, keys_v, plan["bias"]).view(B, nh, hs)
             rows, bias, query_index, back, n_max = plan["prefix"]
             Gc = bias.shape[0]
-            own, own_max, own_sum = partial_attention(queries, keys_k, keys_v, plan["bias"])  # [Bs, nkv, G, hs | 1]
+            own, own_max, own_sum = own  # [Bs, nkv, G, hs | 1]
             group_q = torch.cat([queries, queries.new_zeros(1, nkv, G, hs)]).index_select(0, query_index)
             group_q = group_q.view(Gc, n_max, nkv, G, hs).transpose(1, 2).reshape(Gc, nkv, n_max * G, hs)
             prefix_k = self.gather(pool.k_rows, rows, "prefix_k", g, Gc, nkv, hs)  # [Gc, nkv, K bs, hs]
@@ -641,6 +676,31 @@ class StepBatch:
             a_own, a_shared = (own_max - m).exp_(), (shared_max - m).exp_()
             out = (own * a_own + shared_out * a_shared) / (own_sum * a_own + shared_sum * a_shared)
         return out.view(B, nh, hs)
+
+    def gathered_in_chunks(self, g, queries, pool, chunk, attend):
+        """attend(queries, keys, values, bias) for `chunk` sequences at a time (the rest last): each chunk's keys and
+        values gathered into the front of two scratch buffers and attended before the next chunk overwrites them, so
+        the buffers (gather_chunk_bytes each) stay in the CPU's caches; each sequence's matmuls are those of the whole
+        batch. queries [Bs, nkv, G, hs] -> attend's result for all Bs sequences (a tensor, or a tuple of them)."""
+        plan, (B, nkv, G, hs) = self.single_plans[g], queries.shape
+        rows, bias = plan["rows"], plan["bias"]
+        per_sequence = len(rows) // B  # rows of one sequence: nkv T
+        k_buf = self.scratch.take("chunk_k", (chunk * per_sequence, hs), pool.k_rows.dtype, pool.k_rows.device)
+        v_buf = self.scratch.take("chunk_v", (chunk * per_sequence, hs), pool.v_rows.dtype, pool.v_rows.device)
+        outs = None
+        with torch.autocast(queries.device.type, enabled=False) if self.autocast else nullcontext():
+            for first in range(0, B, chunk):
+                n = min(chunk, B - first)
+                part = rows[first * per_sequence : (first + n) * per_sequence]
+                keys_k = torch.index_select(pool.k_rows, 0, part, out=k_buf[: n * per_sequence]).view(n, nkv, -1, hs)
+                keys_v = torch.index_select(pool.v_rows, 0, part, out=v_buf[: n * per_sequence]).view(n, nkv, -1, hs)
+                result = attend(queries[first : first + n], keys_k, keys_v, bias[first : first + n])
+                parts = result if isinstance(result, tuple) else (result,)
+                if outs is None:
+                    outs = [x.new_empty((B,) + x.shape[1:]) for x in parts]
+                for out, x in zip(outs, parts):
+                    out[first : first + n] = x
+        return tuple(outs) if isinstance(result, tuple) else outs[0]
 
     def gather(self, pool_rows, rows, name, g, B, nkv, hs):
         """The rows `rows` of a pool seen as [slots x nkv, hs] (LayerPool) into scratch buffer `name`, as

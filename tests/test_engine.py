@@ -229,6 +229,39 @@ def test_cpu_steps_run_small_row_counts_exactly_and_pad_larger_ones_to_a_few_sha
     assert RolloutEngine(model, block_size=4).generate(prompts, 5, seed=7) == expected
 
 
+@pytest.mark.parametrize("name", ["qwen3", "olmo3", "llama_bias"])
+def test_cpu_decode_gathers_in_chunks_of_a_few_sequences_and_samples_what_generate_does(name):
+    """gather_chunk_bytes: the CPU decode attention gathers the keys of a few sequences at a time (1 byte: one
+    sequence; 12,000 bytes: 2 to 6, fewer as the keys grow, the last chunk short). 12 distinct prompts, all prefilled in
+    the first step, then 7 decode steps of 12 sequences: the tokens are generate's, the log-probs too to float32
+    rounding and the whole step's gather's to the bit (each sequence's matmuls are the same), and the profiler counts,
+    in every layer of every decode step, one gather of keys and one of values per chunk: 2 x 12 with one sequence a
+    chunk, against 2 for the whole batch. gather_at_once_bytes=0 makes every step chunk; at its default (16 MiB)
+    steps as small as these gather at once."""
+    from torch.profiler import profile
+
+    model = tiny(name)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 131, (n,), generator=g).tolist() for n in range(3, 15)]
+    expected, expected_lp = reference(model, prompts, 8, seed=4, return_logprobs=True)
+    gathers, one_gather = {}, None
+    for chunk_bytes in [None, 1, 12000, "1, at once by default"]:
+        engine = (RolloutEngine(model, block_size=4, gather_chunk_bytes=1) if isinstance(chunk_bytes, str) else
+                  RolloutEngine(model, block_size=4, gather_at_once_bytes=0, gather_chunk_bytes=chunk_bytes))
+        with profile() as prof:
+            tokens, logprobs = engine.generate(prompts, 8, seed=4, return_logprobs=True)
+        assert tokens == expected, chunk_bytes
+        torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2e-5)
+        one_gather = one_gather or logprobs
+        assert logprobs == one_gather, chunk_bytes
+        assert engine.stats["steps"] == 8
+        gathers[chunk_bytes] = sum(e.name == "aten::index_select" and e.cpu_parent is not None
+                                   and e.cpu_parent.name == "engine.attention" for e in prof.events())
+    assert gathers[1] - gathers[None] == 7 * model.args.num_hidden_layers * (2 * 12 - 2)
+    assert gathers[None] < gathers[12000] < gathers[1]
+    assert gathers["1, at once by default"] == gathers[None]
+
+
 @pytest.mark.parametrize("name", ["qwen3", "olmo3"])
 def test_the_tokens_do_not_depend_on_how_the_engine_schedules_them(name):
     """Block sizes, a pool so small that sequences are preempted and recomputed, prefill chunks of 5 tokens, at most 3
@@ -269,7 +302,8 @@ def test_the_samples_of_a_prompt_attend_to_its_blocks_once_and_sample_what_gener
     """GRPO groups (3 prompts of 13, 17 and 22 tokens x 4 samples, blocks of 4): the CPU decode steps attend to each
     group's shared prompt blocks once for the group and merge that with each sample's own keys by log-sum-exp
     (stats['shared_prefix_steps']); the tokens are generate's and the log-probs too, to float32 rounding. OLMo 3's
-    sliding-window layers keep their own pool and gather as before."""
+    sliding-window layers keep their own pool and gather as before. Each sample's own keys gathered one sequence at a
+    time (gather_chunk_bytes=1) give the same bits."""
     model = tiny(name)
     g = torch.Generator().manual_seed(6)
     prompts = [p for n in (13, 17, 22) for p in [torch.randint(3, 131, (n,), generator=g).tolist()] * 4]
@@ -279,6 +313,10 @@ def test_the_samples_of_a_prompt_attend_to_its_blocks_once_and_sample_what_gener
     assert tokens == expected
     torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2e-5)
     assert engine.stats["shared_prefix_steps"] >= 8  # of 9 decode steps (10 tokens, the first sampled by prefill)
+    chunked = RolloutEngine(model, block_size=4, shared_prefix_min_bytes=0, gather_at_once_bytes=0,
+                            gather_chunk_bytes=1)
+    assert chunked.generate(prompts, 10, seed=5, return_logprobs=True) == (tokens, logprobs)
+    assert chunked.stats["shared_prefix_steps"] == engine.stats["shared_prefix_steps"]
     by_default = RolloutEngine(model, block_size=4)  # SHARED_PREFIX_MIN_BYTES: not worth it at this size
     assert by_default.generate(prompts, 10, seed=5) == expected and by_default.stats["shared_prefix_steps"] == 0
 
@@ -373,14 +411,17 @@ def test_engine_under_cpu_bf16_autocast_samples_what_generate_does(name):
     """dtype='bf16-mixed' on the CPU: matmuls in bf16 (packed bf16 weights where oneDNN has bf16 kernels, autocast's
     F.linear elsewhere), attention and the KV cache in float32, as ppo_core.generate decodes. The two multiply the
     same bf16 operands and differ only in the order of the fp32 accumulation (rows per matmul): greedy tokens equal,
-    log-probs within one bf16 rounding step at magnitude 1 (2^-8; measured: at most 2.2e-4)."""
+    log-probs within one bf16 rounding step at magnitude 1 (2^-8; measured: at most 2.2e-4). The same with the decode
+    attention's gathers one sequence at a time (gather_chunk_bytes=1): the chunks too attend in float32."""
     model = tiny(name)
     prompts = grouped_prompts()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected, expected_lp = reference(model, prompts, 8, greedy=True, seed=0, return_logprobs=True)
-        tokens, logprobs = RolloutEngine(model, block_size=4).generate(prompts, 8, greedy=True, return_logprobs=True)
-    assert tokens == expected
-    torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2**-8)
+        for chunk_bytes in [None, 1]:
+            engine = RolloutEngine(model, block_size=4, gather_at_once_bytes=0, gather_chunk_bytes=chunk_bytes)
+            tokens, logprobs = engine.generate(prompts, 8, greedy=True, return_logprobs=True)
+            assert tokens == expected, chunk_bytes
+            torch.testing.assert_close(torch.tensor(logprobs), expected_lp, rtol=0, atol=2**-8)
 
 
 # -- multi-turn episodes: a turn ends, an observation is appended, decoding goes on -----------------------------
