@@ -649,19 +649,18 @@ class StepBatch:
         # each sequence's own keys (all of them, or those after its group's shared blocks): attended whole
         # (gathered_decode_attention), or unnormalised, to be merged with the shared part (partial_attention)
         attend_own = gathered_decode_attention if plan["prefix"] is None else partial_attention
-        if chunk < B:  # a few sequences at a time, in buffers that stay in the CPU's caches
-            own = self.gathered_in_chunks(g, queries, pool, chunk, attend_own)
-        else:
-            keys_k = self.gather(pool.k_rows, plan["rows"], "k", g, B, nkv, hs)  # [Bs, nkv, T, hs]
-            keys_v = self.gather(pool.v_rows, plan["rows"], "v", g, B, nkv, hs)
-            with torch.autocast(q.device.type, enabled=False) if self.autocast else nullcontext():
-                own = attend_own(queries, keys_k, keys_v, plan["bias"])
-        if plan["prefix"] is None:
-            return own.view(B, nh, hs)
         with torch.autocast(q.device.type, enabled=False) if self.autocast else nullcontext():
+            if chunk < B:  # a few sequences at a time, in buffers that stay in the CPU's caches
+                own = self.gathered_in_chunks(g, queries, pool, chunk, attend_own)
+            else:
+                keys_k = self.gather(pool.k_rows, plan["rows"], "k", g, B, nkv, hs)  # [Bs, nkv, T, hs]
+                keys_v = self.gather(pool.v_rows, plan["rows"], "v", g, B, nkv, hs)
+                own = attend_own(queries, keys_k, keys_v, plan["bias"])
+            if plan["prefix"] is None:
+                return own.view(B, nh, hs)
             rows, bias, query_index, back, n_max = plan["prefix"]
             Gc = bias.shape[0]
-            own, own_max, own_sum = own  # [Bs, nkv, G, hs | 1]
+            own_out, own_max, own_sum = own  # [Bs, nkv, G, hs | 1]
             group_q = torch.cat([queries, queries.new_zeros(1, nkv, G, hs)]).index_select(0, query_index)
             group_q = group_q.view(Gc, n_max, nkv, G, hs).transpose(1, 2).reshape(Gc, nkv, n_max * G, hs)
             prefix_k = self.gather(pool.k_rows, rows, "prefix_k", g, Gc, nkv, hs)  # [Gc, nkv, K bs, hs]
@@ -674,32 +673,32 @@ class StepBatch:
                 for x, fill in zip(shared, none))  # [Bs, nkv, G, hs | 1]
             m = torch.maximum(own_max, shared_max)
             a_own, a_shared = (own_max - m).exp_(), (shared_max - m).exp_()
-            out = (own * a_own + shared_out * a_shared) / (own_sum * a_own + shared_sum * a_shared)
+            out = (own_out * a_own + shared_out * a_shared) / (own_sum * a_own + shared_sum * a_shared)
         return out.view(B, nh, hs)
 
     def gathered_in_chunks(self, g, queries, pool, chunk, attend):
         """attend(queries, keys, values, bias) for `chunk` sequences at a time (the rest last): each chunk's keys and
         values gathered into the front of two scratch buffers and attended before the next chunk overwrites them, so
         the buffers (gather_chunk_bytes each) stay in the CPU's caches; each sequence's matmuls are those of the whole
-        batch. queries [Bs, nkv, G, hs] -> attend's result for all Bs sequences (a tensor, or a tuple of them)."""
+        batch. queries [Bs, nkv, G, hs] -> attend's result for all Bs sequences (a tensor, or a tuple of them). The
+        caller turns autocast off (gathered_singles)."""
         plan, (B, nkv, G, hs) = self.single_plans[g], queries.shape
         rows, bias = plan["rows"], plan["bias"]
         per_sequence = len(rows) // B  # rows of one sequence: nkv T
         k_buf = self.scratch.take("chunk_k", (chunk * per_sequence, hs), pool.k_rows.dtype, pool.k_rows.device)
         v_buf = self.scratch.take("chunk_v", (chunk * per_sequence, hs), pool.v_rows.dtype, pool.v_rows.device)
         outs = None
-        with torch.autocast(queries.device.type, enabled=False) if self.autocast else nullcontext():
-            for first in range(0, B, chunk):
-                n = min(chunk, B - first)
-                part = rows[first * per_sequence : (first + n) * per_sequence]
-                keys_k = torch.index_select(pool.k_rows, 0, part, out=k_buf[: n * per_sequence]).view(n, nkv, -1, hs)
-                keys_v = torch.index_select(pool.v_rows, 0, part, out=v_buf[: n * per_sequence]).view(n, nkv, -1, hs)
-                result = attend(queries[first : first + n], keys_k, keys_v, bias[first : first + n])
-                parts = result if isinstance(result, tuple) else (result,)
-                if outs is None:
-                    outs = [x.new_empty((B,) + x.shape[1:]) for x in parts]
-                for out, x in zip(outs, parts):
-                    out[first : first + n] = x
+        for first in range(0, B, chunk):
+            n = min(chunk, B - first)
+            part = rows[first * per_sequence : (first + n) * per_sequence]
+            keys_k = torch.index_select(pool.k_rows, 0, part, out=k_buf[: n * per_sequence]).view(n, nkv, -1, hs)
+            keys_v = torch.index_select(pool.v_rows, 0, part, out=v_buf[: n * per_sequence]).view(n, nkv, -1, hs)
+            result = attend(queries[first : first + n], keys_k, keys_v, bias[first : first + n])
+            parts = result if isinstance(result, tuple) else (result,)
+            if outs is None:
+                outs = [x.new_empty((B,) + x.shape[1:]) for x in parts]
+            for out, x in zip(outs, parts):
+                out[first : first + n] = x
         return tuple(outs) if isinstance(result, tuple) else outs[0]
 
     def gather(self, pool_rows, rows, name, g, B, nkv, hs):
