@@ -644,7 +644,8 @@ class StepBatch:
         queries = q.view(B, nkv, G, hs)  # [Bs, nkv, G, hs]: a kv head's query heads as rows
         T = len(plan["rows"]) // (B * nkv)
         per_sequence = nkv * T * hs * pool.k.element_size()  # bytes of one sequence's gathered keys
-        at_once = self.gather_chunk_bytes is None or 2 * B * per_sequence <= self.gather_at_once_bytes
+        at_once = (self.gather_chunk_bytes is None or q.device.type != "cpu"  # (a GPU on the torch backend)
+                   or 2 * B * per_sequence <= self.gather_at_once_bytes)
         chunk = B if at_once else max(1, self.gather_chunk_bytes // per_sequence)
         # each sequence's own keys (all of them, or those after its group's shared blocks): attended whole
         # (gathered_decode_attention), or unnormalised, to be merged with the shared part (partial_attention)
