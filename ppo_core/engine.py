@@ -22,10 +22,10 @@ pool of their own, where a sequence holds only the blocks its next query can see
 NoPE, q/k norms: whatever Attention computes) shares the main pool. For the sequences that compute one token in a
 step, attention over the pool is ppo_kernels.paged_attention on CUDA (a Triton flash-decoding kernel that reads
 the blocks in place); on the CPU, each sequence's visible keys gathered into one buffer and two batched matmuls,
-a few sequences at a time when a step's keys would not stay in the CPU's caches (GATHER_CHUNK_BYTES), with the
-blocks that a group of sequences shares (the samples of one prompt) gathered once and attended by the group's queries
-together, merged by log-sum-exp (StepBatch.decode_plan). A prefill chunk runs fused SDPA
-(ppo_core.model.attention) over its gathered keys.
+a few sequences at a time once a step's keys and values pass GATHER_AT_ONCE_BYTES a layer (which would not stay in
+the CPU's caches), with the blocks that a group of sequences shares (the samples of one prompt) gathered once and
+attended by the group's queries together, merged by log-sum-exp (StepBatch.decode_plan). A prefill chunk runs fused
+SDPA (ppo_core.model.attention) over its gathered keys.
 
 Decode-only steps (every running sequence computes one token; no prefill chunk, no copy-on-write: most of a
 rollout's steps) take ppo_core.static_decode's path where `cuda_graphs` applies (CUDA, the Triton backend, a model
@@ -94,8 +94,8 @@ class RolloutEngine:
     saves at least this many bytes of gathered keys and values per layer (0: whenever blocks are shared).
     gather_at_once_bytes, gather_chunk_bytes: on the CPU, a decode step gathers the keys and values of all its
     sequences at once while they come to at most gather_at_once_bytes a layer, else the keys of as many sequences at
-    a time as fit in gather_chunk_bytes (at least one; None: always at once), as many values with them
-    (GATHER_CHUNK_BYTES)."""
+    a time as fit in gather_chunk_bytes (at least one; None: always at once), as many values with them (defaults:
+    GATHER_AT_ONCE_BYTES, GATHER_CHUNK_BYTES)."""
 
     def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096,
                  cuda_graphs=True, static_decode=None, shared_prefix_min_bytes=SHARED_PREFIX_MIN_BYTES,
@@ -643,10 +643,10 @@ class StepBatch:
         plan, G = self.single_plans[g], nh // nkv
         queries = q.view(B, nkv, G, hs)  # [Bs, nkv, G, hs]: a kv head's query heads as rows
         T = len(plan["rows"]) // (B * nkv)
-        per_sequence = nkv * T * hs * pool.k.element_size()  # bytes of one sequence's gathered keys
+        key_bytes = nkv * T * hs * pool.k.element_size()  # one sequence's gathered keys (as many for its values)
         at_once = (self.gather_chunk_bytes is None or q.device.type != "cpu"  # (a GPU on the torch backend)
-                   or 2 * B * per_sequence <= self.gather_at_once_bytes)
-        chunk = B if at_once else max(1, self.gather_chunk_bytes // per_sequence)
+                   or 2 * B * key_bytes <= self.gather_at_once_bytes)
+        chunk = B if at_once else max(1, self.gather_chunk_bytes // key_bytes)
         # each sequence's own keys (all of them, or those after its group's shared blocks): attended whole
         # (gathered_decode_attention), or unnormalised, to be merged with the shared part (partial_attention)
         attend_own = gathered_decode_attention if plan["prefix"] is None else partial_attention
