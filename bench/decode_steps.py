@@ -23,10 +23,8 @@ the two differ: per step at each batch size, not in scheduling or padding (every
 """
 import argparse
 import importlib.util
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -62,20 +60,11 @@ def vllm_ms_per_step(args, model_dir, model_args):
                max_model_len=P + args.long)
     log_path = os.path.join(args.cache_dir, f"vllm-decode-steps-{args.model}-{args.threads}threads.log")
     out, version = {}, None
-    with open(log_path, "w") as log:
-        proc = subprocess.run([args.vllm_python, _rollout.HELPER], input=json.dumps(job), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=args.cache_dir)
-        log.write(proc.stdout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench/rollout_vllm.py exited {proc.returncode}; log {log_path}")
-    for line in proc.stdout.splitlines():
-        if line.startswith(_rollout.MARKER):
-            result = json.loads(line[len(_rollout.MARKER):])
-            walls = [r["wall_s"] for r in result["runs"][1:]]  # long, short, long, short, ...
-            steps = args.long - args.short
-            pairs = zip(walls[::2], walls[1::2])
-            out[int(result["name"])] = 1e3 * statistics.median((lo - sh) / steps for lo, sh in pairs)
-            version = result["version"]
+    for result in _rollout.vllm_results(args.vllm_python, job, log_path, args.cache_dir):
+        walls = [r["wall_s"] for r in result["runs"][1:]]  # long, short, long, short, ...
+        pairs = zip(walls[::2], walls[1::2])
+        out[int(result["name"])] = 1e3 * statistics.median((lo - sh) / (args.long - args.short) for lo, sh in pairs)
+        version = result["version"]
     return out, version
 
 
@@ -95,6 +84,8 @@ def main():
     cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     ap.add_argument("--cache-dir", default=os.path.join(cache_home, "ppo_core", "bench-rollout"))
     args = ap.parse_args()
+    if args.vllm and not os.path.exists(args.vllm_python):
+        ap.error(f"--vllm: no interpreter at {args.vllm_python} (see bench/rollout_vllm.py for its venv)")
     torch.set_num_threads(args.threads)
     model_dir = checkpoint(args.model, False, args.cache_dir)
     model = ppo_core.load_model(model_dir).eval()

@@ -281,26 +281,31 @@ def vllm_rows(args, model_name, model_dir, model_args, workloads, threads):
                workloads=[dict(name=w.name, runs=runs(w)) for w in workloads])
     log_path = os.path.join(args.cache_dir, f"vllm-{model_name}{'-quick' if args.quick else ''}-{threads}threads.log")
     by_name = {w.name: w for w in workloads}
+    for result in vllm_results(args.vllm_python, job, log_path, args.cache_dir):
+        w = by_name[result["name"]]
+        timed = result["runs"][1:]  # the first is the warm-up
+        last = timed[-1]
+        yield dict(computed_tokens=last["computed_tokens"], peak_kv_bytes=result["allocated_kv_bytes"],
+                   prefix_hit_tokens=last["prefix_hit_tokens"], preemptions=last["preemptions"],
+                   steps=last["steps"], wall_s=statistics.median(r["wall_s"] for r in timed),
+                   startup_s=result["startup_s"], workload=w,
+                   note=f"vllm {result['version']}, {result['threads']} threads, import "
+                        f"{result['import_s']:.1f} s, KV in use at peak "
+                        f"{last['peak_kv_bytes_in_use'] / 1e6:.1f} MB")
+
+
+def vllm_results(vllm_python, job, log_path, cwd):
+    """Run bench/rollout_vllm.py by `vllm_python` on `job` (its docstring has the fields) and yield each workload's
+    result as it finishes; the whole output, vLLM's log included, goes to log_path."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([args.vllm_python, HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=args.cache_dir)
+        proc = subprocess.Popen([vllm_python, HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=cwd)
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()
         for line in proc.stdout:
             log.write(line)
-            if not line.startswith(MARKER):
-                continue
-            result = json.loads(line[len(MARKER):])
-            w = by_name[result["name"]]
-            timed = result["runs"][1:]  # the first is the warm-up
-            last = timed[-1]
-            yield dict(computed_tokens=last["computed_tokens"], peak_kv_bytes=result["allocated_kv_bytes"],
-                       prefix_hit_tokens=last["prefix_hit_tokens"], preemptions=last["preemptions"],
-                       steps=last["steps"], wall_s=statistics.median(r["wall_s"] for r in timed),
-                       startup_s=result["startup_s"], workload=w,
-                       note=f"vllm {result['version']}, {result['threads']} threads, import "
-                            f"{result['import_s']:.1f} s, KV in use at peak "
-                            f"{last['peak_kv_bytes_in_use'] / 1e6:.1f} MB")
+            if line.startswith(MARKER):
+                yield json.loads(line[len(MARKER):])
         code = proc.wait()
     if code != 0:
         with open(log_path) as f:
