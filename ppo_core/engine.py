@@ -43,7 +43,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import nullcontext
 
 import torch
-from torch.profiler import record_function
 
 from ppo_kernels import backend
 from ppo_kernels.paged_attention import paged_decode_attention
@@ -51,7 +50,7 @@ from ppo_kernels.paged_attention import paged_decode_attention
 from .generate import counter_uniforms, filter_logits, sample_from_probs
 from .model import CausalLM, attention, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
 from .scheduler import Scheduler, Sequence
-from .static_decode import StaticDecode, graphs_unavailable
+from .static_decode import StaticDecode, graphs_unavailable, profiled
 
 CPU_KV_CACHE_GB = 4.0
 """The CPU's default pool budget (GiB): an upper bound; a call allocates only what its sequences can use at once."""
@@ -370,12 +369,6 @@ def gathered_decode_attention(q, k, v, bias):
     keys)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)  # [B, nkv, g, T]
     return torch.matmul(scores.softmax(-1), v)  # [B, nkv, g, hs]
-
-
-def profiled(name):
-    """record_function(name) while a profiler runs (bench/rollout.py --profile breaks a step down by these ranges),
-    else nothing: the range itself costs about 12 us, twice per layer, when nothing records it."""
-    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def partial_attention(q, k, v, bias):

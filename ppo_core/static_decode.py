@@ -45,6 +45,7 @@ region, FSDP's gathered weights where they apply, LoRA adapters as they are set)
 """
 import time
 import warnings
+from contextlib import nullcontext
 
 import torch
 from torch.profiler import record_function
@@ -57,6 +58,13 @@ from .distributed import is_sharded
 GRAPH_WARMUP = 2
 """Eager runs of a bucket's step on a side stream before its capture: nothing may be created lazily during a capture
 (torch.cuda.graphs); the first run creates it, the second runs on what the first created, as torch's examples do."""
+
+
+def profiled(name):
+    """record_function(name) while a profiler runs (bench/rollout.py --profile breaks a step down by these ranges),
+    else nothing: the range itself costs about 12 us, twice per layer, when nothing records it (the engine's steps
+    use it too)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def decode_bucket(n: int) -> int:
@@ -148,10 +156,10 @@ class StaticDecode:
             g, i = self.group_of[layer], self.index_in_group[layer]
             k_pool, v_pool = self.pools[g][0][i], self.pools[g][1][i]  # [blocks + 1, block_size, nkv, hs]
             nkv, hs = k_pool.shape[2], k_pool.shape[3]
-            with record_function("engine.cache_write"):
+            with profiled("engine.cache_write"):
                 k_pool.view(-1, nkv, hs).index_copy_(0, self.step_rows[3 + g, :B], k.to(k_pool.dtype))
                 v_pool.view(-1, nkv, hs).index_copy_(0, self.step_rows[3 + g, :B], v.to(v_pool.dtype))
-            with record_function("engine.attention"):  # in the cache's dtype, as the dynamic step attends
+            with profiled("engine.attention"):  # in the cache's dtype, as the dynamic step attends
                 return self.attention(q.to(k_pool.dtype), k_pool, v_pool, self.tables[g, :B], lengths, self.windows[g])
 
         hidden = self.model(ids, paged=(positions, attend, self.max_len), return_hidden=True)  # [B, H]
