@@ -384,7 +384,9 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     if records_decode_logprobs(cfg):
         decoded = [torch.tensor(rows_of([e.logprobs for e in episodes], 0.0), device=device),
                    torch.tensor(rows_of([e.entropy for e in episodes], 0.0), device=device)]
-    ended = torch.tensor([e.done for e in episodes], device=device)
+    # ended: the policy's last token is a stop token; an episode the budget cut short is done but did not end
+    eos = set(tokenizer.eos_token_ids)
+    ended = torch.tensor([bool(e.tokens) and e.tokens[-1] in eos for e in episodes], device=device)
     return Sampled(prompt_rows, [prompt_text(r) for r in prompt_rows], responses, prompt_ids, prompt_mask, tokens,
                    response_mask, ended, scores, metrics, texts, generate_s, *decoded, attended=attended)
 
@@ -434,14 +436,19 @@ def sampled_from_state(state: dict, device):
     return sampled, tensor(state["group"]).cpu(), state["stats"]
 
 
-def sample_rows(sampled: Sampled) -> list:
-    """What samples.jsonl and the trackers' table show of each row: prompt, response, reward (the score), each reward
-    component, and the row's extra columns."""
+def sample_rows(sampled: Sampled, tokenizer) -> list:
+    """What samples.jsonl and the trackers' table show of each row: prompt (the raw text the reward saw), response,
+    reward (the score), each reward component, the row's extra columns, then policy_prompt (the prompt as the policy
+    saw it: chat-rendered, special tokens written out) and stop ("eos": the response ended at a stop token of the
+    checkpoint's; "length": it ran into max_new_tokens)."""
     components = {k: v.tolist() for k, v in sampled.reward_metrics.items()}
     components.update(sampled.reward_texts)
-    scores = sampled.scores.tolist()
+    scores, ended = sampled.scores.tolist(), sampled.ended.tolist()
+    policy_prompts = [tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
+                      for ids, mask in zip(sampled.prompt_ids.cpu(), sampled.prompt_mask.cpu().bool())]
     return [{"prompt": text, "response": response, "reward": scores[i], **{k: v[i] for k, v in components.items()},
-             **{k: v for k, v in row.items() if k not in ("prompt", "messages")}}
+             **{k: v for k, v in row.items() if k not in ("prompt", "messages")},
+             "policy_prompt": policy_prompts[i], "stop": "eos" if ended[i] else "length"}
             for i, (row, text, response) in enumerate(zip(sampled.rows, sampled.prompts, sampled.responses))]
 
 

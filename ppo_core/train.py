@@ -145,7 +145,8 @@ def run(cfg: PPOConfig, resume_from=None):
                 train_stats.update(workers.after_update(it, state))
             metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg,
                                         seconds=(t_roll, t_train, time.perf_counter()))
-            state["last_kl"] = metrics["kl/mean"]
+            state["last_kl"] = metrics["kl/mean"]  # k1: what the adaptive controller reads (Ziegler et al. 2019)
+            state["last_kl_k3"] = metrics["kl/k3_mean"]  # k3 >= 0: what the summary reports
             kl_ctl.update(state["last_kl"], rollout_rows(cfg))
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
                 # a reward server down keeps the update (saved), its samples and the metrics a resume completes
@@ -154,7 +155,7 @@ def run(cfg: PPOConfig, resume_from=None):
                     metrics["eval/reward"] = evaluate_policy()
             log.metrics(metrics)
             tracker.log(metrics, it + 1)
-            write_samples(cfg, run_dir, tracker, it, rollout.sampled)
+            write_samples(cfg, run_dir, tracker, tokenizer, it, rollout.sampled)
             if it + 1 == cfg.iterations or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
                 ckpts.save(it + 1)
             ckpts.stop_if_requested(stop, it + 1)
@@ -434,10 +435,10 @@ def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, op
     return metrics
 
 
-def write_samples(cfg: PPOConfig, run_dir, tracker, it, sampled):
+def write_samples(cfg: PPOConfig, run_dir, tracker, tokenizer, it, sampled):
     """Every cfg.log_samples_every iterations: iteration `it`'s samples to samples.jsonl and the trackers."""
     if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
-        samples = sample_rows(sampled)
+        samples = sample_rows(sampled, tokenizer)
         tracking.write_samples(run_dir.path, samples, it + 1)
         tracker.log_samples(samples, it + 1)
 
@@ -451,7 +452,8 @@ def run_summary(ckpts, after, after_greedy, prompts) -> dict:
         "eval/greedy_reward_before": state["eval_before_greedy"],
         "eval/greedy_reward_after": after_greedy,
         "eval/prompts": prompts,
-        "kl/final": state["last_kl"],
+        # k3 = E[r - 1 - log r] >= 0 per token, r = ref / pi: the sampled k1 mean can read below 0 on a short run
+        "kl/final": state.get("last_kl_k3", 0.0),
         "iterations": cfg.iterations,
         "skipped_updates": ckpts.opts.skipped,
         "checkpoint": os.path.join(ckpts.run_dir.path, "checkpoints", f"step-{cfg.iterations}"),
@@ -509,7 +511,7 @@ class Checkpoints:
         self.cfg, self.run_dir, self.log, self.tracker = cfg, run_dir, log, tracker
         self.policy, self.critic, self.tokenizer, self.sharded = policy, critic, tokenizer, dist.is_sharded(policy)
         self.opts, self.generators, self.kl_ctl, self.stream = opts, generators, kl_ctl, stream
-        self.state = {"last_kl": 0.0}  # + eval_before(_greedy); a resume loads the saved one into this dict (see save)
+        self.state = {"last_kl": 0.0, "last_kl_k3": 0.0}  # + eval_before(_greedy); a resume loads the saved one into this dict (see save)
         self.t0 = time.perf_counter()
 
     def elapsed(self):
@@ -541,7 +543,9 @@ class Checkpoints:
                                                    "prompt_stream": self.stream.state_dict(),
                                                    "eval_before": state["eval_before"],
                                                    "eval_before_greedy": state["eval_before_greedy"],
-                                                   "last_kl": state["last_kl"], "elapsed_s": self.elapsed(),
+                                                   "last_kl": state["last_kl"],
+                                                   "last_kl_k3": state.get("last_kl_k3", 0.0),
+                                                   "elapsed_s": self.elapsed(),
                                                    **({"pending_metrics": state["pending_metrics"]}
                                                       if "pending_metrics" in state else {}),
                                                    **({"pending_rollout": state_lists(state["pending_rollout"])}
@@ -568,7 +572,7 @@ class Checkpoints:
             if first is not None:
                 first()
             if samples is not None:
-                write_samples(self.cfg, self.run_dir, self.tracker, *samples)
+                write_samples(self.cfg, self.run_dir, self.tracker, self.tokenizer, *samples)
             if pending is not None:
                 self.state["pending_metrics"] = pending
             self.save(step)

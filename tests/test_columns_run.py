@@ -68,6 +68,19 @@ def test_answer_column_reaches_the_reward_function(tmp_path, kind):
         chars = sum(a == b for a, b in zip(s["response"], row["answer"])) / max(len(s["response"]), len(row["answer"]), 1)
         assert s["reward/exact/chars"] == pytest.approx(chars, abs=1e-6)
         assert s["reward"] == pytest.approx(float(s["response"] == row["answer"]) + 0.5 * chars, abs=1e-6)
+        assert s["policy_prompt"] == s["prompt"]  # no chat template, and the demo tokenizer adds no BOS
+        # a character a token: a response that ran into the limit has max_new_tokens characters
+        assert (s["stop"] == "length") == (len(s["response"]) == 10), s
+    for step in (1, 2):  # the metric counts what the samples say
+        eos_frac = sum(s["stop"] == "eos" for s in samples if s["step"] == step) / 8
+        assert metrics[step - 1]["response/eos_frac"] == pytest.approx(eos_frac)
+    # stderr is not a terminal here: one line an iteration, its numbers those of metrics.jsonl
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("iteration ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"], proc.stderr
+    for line, m in zip(lines, metrics):
+        words = line.split()
+        assert words[words.index("reward") + 1] == f"{m['reward/mean']:.4f}"
+        assert words[words.index("kl") + 1] == f"{m['kl/k3_mean']:.4f}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run / "tensorboard")).Reload()

@@ -217,7 +217,15 @@ def test_ppo_train_plays_a_users_environment_file(checkpoint):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["env/turns"] >= 1 and m["env/observation_tokens"] > 0 for m in metrics)
-    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for step, m in zip((1, 2), metrics):  # eos_frac counts episodes whose last token is the EOS, not finished ones
+        stops = [s["stop"] for s in samples if s["step"] == step]
+        assert m["response/eos_frac"] == pytest.approx(stops.count("eos") / len(stops))
+    for s in samples:
+        assert s["policy_prompt"].startswith("<|im_start|>user\n")  # the rendered first turn, as the policy saw it
+        # "eos" exactly where the policy's last token is its EOS (an episode the budget cut is done, not ended)
+        assert (s["stop"] == "eos") == s["response"].endswith("<|im_end|>"), s
+    sample = samples[0]
     conversation = json.loads(sample["conversation"])
     assert conversation[0]["role"] == "user" and conversation[1]["role"] == "assistant"
     assert conversation[2] == {"role": "tool", "content": "turn 1"}

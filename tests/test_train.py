@@ -80,6 +80,8 @@ def test_default_job_improves_held_out_reward(default_run):
     assert before <= 0.6
     assert after >= before + 0.5 * (1 - before), summary
     assert 0.0 <= summary["kl/final"] < 1.0  # bounded KL to the reference, reported
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["kl/final"] == last["kl/k3_mean"]  # k3, which cannot go negative (k1 on samples can)
     assert "held-out reward" in proc.stdout and f"{after:6.4f}" in proc.stdout
 
 
