@@ -247,3 +247,14 @@ def math_reward(response: str, answer) -> float:
     if parse_number(extracted) is not None and parse_number(answer) is not None:
         return 1.0 if numbers_equal(extracted, answer) else 0.0
     return 1.0 if normalize_whitespace(extracted) == normalize_whitespace(str(answer)) else 0.0
+
+
+def last_number_reward(prompts: list[str], responses: list[str], answer: list) -> list[float]:
+    """A reward function for rows with an "answer" column: 1.0 where the response's last number
+    (extract_last_number) equals the answer exactly, else 0.0. The prompts are not read.
+
+    >>> last_number_reward(["What is 59 + 63?"] * 3, ["122", "59 + 63 = 122.", "It is 121"], ["122"] * 3)
+    [1.0, 1.0, 0.0]
+    """
+    return [1.0 if numbers_equal(extract_last_number(r), a) else 0.0 for r, a in zip(responses, answer)]
+

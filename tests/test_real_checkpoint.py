@@ -134,10 +134,14 @@ def test_engine_greedy_decoding_is_transformers_generate(model, hf_model, tokeni
     tokenizer = tokenizers[0]
     prompts = chat_prompts(tokenizer, QUESTIONS)
     ours = RolloutEngine(model).generate(prompts, 64, greedy=True, eos_token_id=tokenizer.eos_token_ids)
-    for prompt, tokens in zip(prompts, ours):
-        with torch.no_grad():  # one prompt at a time: no padding, transformers' plainest path
-            theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):]
-        assert tokens == theirs.tolist(), tokenizer.decode(prompt)
+    ids, mask = left_padded(prompts, tokenizer.pad_token_id)
+    with torch.no_grad():  # transformers' generate derives each row's positions from the left-padding mask
+        theirs = hf_model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:].tolist()
+    for prompt, tokens, reference in zip(prompts, ours, theirs):
+        if tokenizer.eos_token_id in reference:  # generate pads a row after its EOS; the engine stops there
+            reference = reference[: reference.index(tokenizer.eos_token_id) + 1]
+        assert tokens == reference, tokenizer.decode(prompt)
     assert sum(t[-1] == tokenizer.eos_token_id for t in ours) >= 8  # most answers end on their own
     capital = tokenizer.decode(ours[0])
     assert "Paris" in capital, capital

@@ -8,6 +8,7 @@ from ppo_core.verifiers import (
     extract_boxed,
     extract_gsm8k,
     extract_last_number,
+    last_number_reward,
     math_reward,
     normalize_whitespace,
     numbers_equal,
@@ -226,3 +227,37 @@ def test_docstring_examples():
 
     failures, tried = doctest.testmod(ppo_core.verifiers)
     assert failures == 0 and tried >= 19
+
+
+@pytest.mark.parametrize("response, answer, expected", [
+    ("122", "122", 1.0),
+    ("59 + 63 = 122.", "122", 1.0),  # the last number, a full stop after it
+    ("The answer is 122, not 121", "122", 0.0),  # the last number is what counts
+    ("1,22", "122", 0.0),  # not a thousands comma: "22" is the last number
+    ("I think it is one hundred twenty-two", "122", 0.0),
+    ("122.0", "122", 1.0),  # exact as numbers
+    ("", "122", 0.0),
+])
+def test_last_number_reward(response, answer, expected):
+    assert last_number_reward(["What is 59 + 63?"], [response], [answer]) == [expected]
+
+
+def test_addition_prompts_hold_out_their_pairs():
+    """scripts/make_addition_prompts.py: n training rows then eval_size held-out rows, every answer the sum, the
+    held-out pairs distinct and never among the training pairs; the same seed gives the same rows."""
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    from make_addition_prompts import addition_rows
+
+    rows = addition_rows(500, 64, seed=3)
+    assert len(rows) == 564 and rows == addition_rows(500, 64, seed=3) and rows != addition_rows(500, 64, seed=4)
+    pairs = []
+    for row in rows:
+        a, b = map(int, re.fullmatch(r"What is (\d\d) \+ (\d\d)\? Reply with just the number\.", row["prompt"]).groups())
+        assert row["answer"] == str(a + b)
+        pairs.append((a, b))
+    train, held_out = pairs[:500], pairs[500:]
+    assert len(set(held_out)) == 64 and not set(held_out) & set(train)
