@@ -224,3 +224,18 @@ def test_shipped_configs_for_real_checkpoints_are_valid(name, estimator, rows):
     assert cfg.lr == 1e-6 and cfg.max_new_tokens == 1024 and cfg.chat_template
     assert cfg.rollout_engine == "paged" and cfg.rollout_kv_cache_gb == 30  # 512 responses on one 80 GB GPU (ppo-plan)
     assert uses_critic(cfg) == (estimator == "gae") and (not uses_critic(cfg) or cfg.critic_lr == 1e-5)
+
+
+def test_every_shipped_config_builds_and_validates():
+    """configs/*.toml as shipped: every key known, every value valid, nothing set that the run would not read (with
+    the policy and data a user passes on the command line)."""
+    import glob
+
+    from ppo_core.config import refuse_unread_settings, validate
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "*.toml")))
+    assert len(paths) >= 5
+    for path in paths:
+        cfg = build_config(load_toml(path), {"policy": "checkpoint", "prompts_file": "prompts.jsonl"}, path)
+        validate(cfg)
+        refuse_unread_settings(cfg)
