@@ -32,7 +32,13 @@ Writes, in OUT:
                  (needs matplotlib, `pip install -e ".[plot]"`; without it compare.md and compare.json are still written)
   logs/          each run's stdout and stderr
 A run that fails is reported with the tail of its stderr and makes the exit status 1 (the outputs are written from
-the runs that finished). Bad arguments are one line on stderr and exit status 2, before any run starts.
+the runs that finished).
+
+    python scripts/compare.py --out runs/report --from_runs runs/grpo-s0 runs/grpo-s1 runs/gae-s0 runs/gae-s1
+
+--from_runs starts nothing: it reads finished run directories (config.json, summary.json, metrics.jsonl), one
+variant per estimator (runs of one variant must differ in nothing but their seed and directory), and writes the same
+three reports. A directory without summary.json counts as a failed run. Bad arguments are one line on stderr and exit status 2, before any run starts.
 """
 import argparse
 import concurrent.futures
@@ -84,6 +90,9 @@ def parse_args(argv):
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (default: the CPU count)")
     ap.add_argument("--max_reward", type=float, default=1.0,
                     help="the best possible reward, for the headroom closed (after - before) / (max_reward - before)")
+    ap.add_argument("--from_runs", nargs="+", default=[], metavar="RUN_DIR",
+                    help="start nothing: report on these finished ppo-train run directories (runs made by hand or by "
+                         "a recipe), grouped into variants by estimator; the other run flags are not read")
     args = ap.parse_args(own)
     args.estimators = args.estimators.split(",")
     args.extra = extra
@@ -196,6 +205,41 @@ def run_plan(args):
     return runs
 
 
+# what may differ between the runs of one variant collected by --from_runs
+PER_RUN_KEYS = ("seed", "out", "threads", "progress")
+
+
+def collected_runs(dirs):
+    """--from_runs: the runs of finished run directories, as run_plan and execute describe them (returncode 0 where
+    summary.json exists, wall_s its time/total_s), one variant per estimator. Raises ArgumentError for a directory
+    that is no run, a variant whose runs differ in more than PER_RUN_KEYS, or one seed given twice."""
+    runs, configs = [], {}
+    for run_dir in dirs:
+        try:
+            with open(os.path.join(run_dir, "config.json")) as f:
+                config = json.load(f)["config"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ArgumentError(f"{run_dir}: not a ppo-train run directory ({e})") from None
+        est = config["adv_estimator"]
+        shared = {k: v for k, v in config.items() if k not in PER_RUN_KEYS}
+        if configs.setdefault(est, shared) != shared:
+            differ = sorted(k for k in shared if shared[k] != configs[est].get(k))
+            raise ArgumentError(f"{run_dir}: its {est} runs differ in more than the seed: {', '.join(differ)}")
+        if any(r["estimator"] == est and r["seed"] == config["seed"] for r in runs):
+            raise ArgumentError(f"{run_dir}: a second {est} run of seed {config['seed']}")
+        finished = os.path.isfile(os.path.join(run_dir, "summary.json"))
+        run = {"variant": est, "settings": {"adv_estimator": est}, "estimator": est, "seed": config["seed"],
+               "n": config["n_samples_per_prompt"], "prompts": config["rollout_batch_size"], "dir": run_dir, "cmd": [],
+               "returncode": 0 if finished else 1, "stderr_tail": "" if finished else "no summary.json: not finished"}
+        if finished:
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                run["wall_s"] = json.load(f)["time/total_s"]
+        else:
+            run["wall_s"] = 0.0
+        runs.append(run)
+    return runs
+
+
 def execute(runs, jobs, log_dir):
     """Run each run's cmd as a subprocess, `jobs` at a time; print each command as it starts. Adds to each run:
     returncode, wall_s (the process's wall time) and stderr_tail (its last lines when it failed). The stdout and
@@ -304,27 +348,31 @@ def write_markdown(path, report, runs):
         f"evaluation prompts before and after training; mean ± std over seeds (Bessel's correction); time: the run's "
         f"time/total_s; headroom closed: (after - before) / ({report['max_reward']:g} - before), sampled reward.",
         "",
-        f"| {column} | prompts x responses | reward before (sampled) | after (sampled) | after (greedy) | final KL "
-        "| time/run (s) | tokens/s | headroom closed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| {column} | prompts x responses | reward before (sampled) | after (sampled) | before (greedy) "
+        "| after (greedy) | final KL | time/run (s) | tokens/s | headroom closed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in table.items():
         time_s = "-" if row["time_s"] is None else f"{row['time_s']:.1f}"
         tps = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.0f}"
         lines.append(f"| {name} | {row['rollout_batch_size']} x {row['n_samples_per_prompt']} | {fmt(row['reward_before'])} "
-                     f"| {fmt(row['reward_after'])} | {fmt(row['greedy_reward_after'])} | {fmt(row['kl_final'])} "
+                     f"| {fmt(row['reward_after'])} | {fmt(row['greedy_reward_before'])} "
+                     f"| {fmt(row['greedy_reward_after'])} | {fmt(row['kl_final'])} "
                      f"| {time_s} | {tps} | {fmt(row['headroom_closed'], 3)} |")
     lines += ["", "Per run:", "",
-              f"| {column} | seed | reward before | after | after (greedy) | final KL | time (s) |",
-              "|---|---|---|---|---|---|---|"]
+              f"| {column} | seed | reward before | after | before (greedy) | after (greedy) | final KL | time (s) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r["returncode"] == 0:
             s = r["summary"]
             lines.append(f"| {r['variant']} | {r['seed']} | {s['eval/reward_before']:.4f} | {s['eval/reward_after']:.4f} "
-                         f"| {s['eval/greedy_reward_after']:.4f} | {s['kl/final']:.4f} | {s['time/total_s']:.1f} |")
+                         f"| {s['eval/greedy_reward_before']:.4f} | {s['eval/greedy_reward_after']:.4f} "
+                         f"| {s['kl/final']:.4f} | {s['time/total_s']:.1f} |")
+        elif not r["cmd"]:  # --from_runs: a directory without summary.json
+            lines.append(f"| {r['variant']} | {r['seed']} | not finished ({r['dir']} has no summary.json) | | | | | |")
         else:
             lines.append(f"| {r['variant']} | {r['seed']} | failed (exit status {r['returncode']}, see "
-                         f"logs/{os.path.basename(r['dir'])}.log) | | | | |")
+                         f"logs/{os.path.basename(r['dir'])}.log) | | | | | |")
     if report["plot"]:
         lines += ["", f"![rollout reward and KL]({report['plot']})"]
     with open(path, "w") as f:
@@ -371,12 +419,17 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         args = parse_args(argv)
-        runs = run_plan(args)
+        runs = collected_runs(args.from_runs) if args.from_runs else run_plan(args)
     except ArgumentError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    execute(runs, args.jobs, os.path.join(args.out, "logs"))
+    if args.from_runs:  # the budget and seeds are the runs' own
+        args.samples_per_iteration = runs[0]["n"] * runs[0]["prompts"]
+        args.group_size = max(r["n"] for r in runs)
+        args.seeds = sorted({r["seed"] for r in runs})
+    else:
+        execute(runs, args.jobs, os.path.join(args.out, "logs"))
     for run in runs:
         if run["returncode"] == 0:
             read_run(run, args.max_reward)

@@ -181,3 +181,29 @@ def test_vary_a_loss_setting_from_one_initialisation(tmp_path):
         befores.add(s["eval/reward_before"])
     assert len(befores) == 1  # one initialisation, one seed: the same evaluation before training
     assert md.startswith(report["environment"]["date_utc"]) and "| variant |" in md
+
+
+def test_from_runs_reports_finished_runs_as_the_comparison_did(comparison, tmp_path):
+    """--from_runs over the comparison's own run directories starts nothing and reports the same numbers per
+    estimator; runs of one estimator that differ in more than their seed are refused with one line, exit 2."""
+    out, _ = comparison
+    dirs = sorted(str(d) for d in out.iterdir() if (d / "config.json").exists())
+    assert len(dirs) == 4
+    proc = compare("--out", str(tmp_path / "report"), "--from_runs", *dirs)
+    assert proc.returncode == 0 and "[start]" not in proc.stdout, proc.stderr
+    original, collected = read_json(out / "compare.json"), read_json(tmp_path / "report" / "compare.json")
+    assert collected["estimators"] == original["estimators"]
+    assert collected["samples_per_iteration"] == 8 and collected["seeds"] == [0, 1]
+    md = (tmp_path / "report" / "compare.md").read_text()
+    gae = [read_json(os.path.join(d, "summary.json")) for d in dirs if "gae-" in os.path.basename(d)]
+    values = [s["eval/greedy_reward_before"] for s in gae]
+    assert f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}" in md  # the greedy "before" column
+
+    other = tmp_path / "other"
+    other.mkdir()
+    config = read_json(os.path.join(dirs[0], "config.json"))
+    config["config"]["lr"] *= 2
+    config["config"]["seed"] = 7
+    (other / "config.json").write_text(json.dumps(config))
+    proc = compare("--out", str(tmp_path / "bad"), "--from_runs", dirs[0], str(other))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "differ in more than the seed: lr" in proc.stderr
