@@ -228,7 +228,7 @@ def test_shipped_configs_for_real_checkpoints_are_valid(name, estimator, rows):
 
 def test_every_shipped_config_builds_and_validates():
     """configs/*.toml as shipped: every key known, every value valid, nothing set that the run would not read (with
-    the policy and data a user passes on the command line)."""
+    the policy and data a user passes on the command line), and the peak learning rate reached early in the run."""
     import glob
 
     from ppo_core.config import refuse_unread_settings, validate
@@ -239,3 +239,6 @@ def test_every_shipped_config_builds_and_validates():
         cfg = build_config(load_toml(path), {"policy": "checkpoint", "prompts_file": "prompts.jsonl"}, path)
         validate(cfg)
         refuse_unread_settings(cfg)
+        # the peak learning rate within the first tenth of the run's optimizer steps
+        steps = cfg.iterations * cfg.ppo_epochs * cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.minibatch_size
+        assert cfg.warmup_steps <= 0.1 * steps, (path, cfg.warmup_steps, steps)
