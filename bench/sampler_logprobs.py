@@ -13,10 +13,10 @@ recomputes the old log-probs by default (old_logprobs_from_rollout = false).
 """
 import argparse
 import os
-import platform
 
 import torch
 
+from packed_passes import cpu_name  # bench/, first on the path when this script runs
 from ppo_core.engine import RolloutEngine
 from ppo_core.model import load_model
 from ppo_core.tokenizer import load_tokenizer
@@ -47,12 +47,6 @@ def deviations(model, tokenizer, prompt_ids, max_new_tokens, temperature, dtype)
         forward = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         out.append((forward - torch.tensor(decoded, dtype=torch.float64)).abs())
     return torch.cat(out)
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return names[0] if names else platform.machine()
 
 
 def main():

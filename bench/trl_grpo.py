@@ -59,6 +59,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from bench.packed_passes import cpu_name  # noqa: E402  (bench/ is off the path, the repository root on it)
 from ppo_core import load_model, load_tokenizer  # noqa: E402
 from ppo_core.config import build_config, load_toml, rollout_rows  # noqa: E402
 from ppo_core.precision import resolve_precision  # noqa: E402
@@ -303,17 +304,6 @@ def evaluate_checkpoint(path, held_out, cfg, seed):
     greedy = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, greedy=True, autocast=precision.autocast)
     sampled = evaluate(policy, tokenizer, held_out, reward_source, cfg, eval_seed, autocast=precision.autocast)
     return greedy, sampled
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def median_after_first(values):

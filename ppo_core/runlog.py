@@ -373,9 +373,9 @@ class Logger:
         if self.bar is not None:
             self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", kl=f"{m['kl/mean']:.3f}", refresh=False)
         else:  # no terminal (nohup, a scheduler, | tee): one line an iteration, so a watcher sees the run move
-            now, seconds = time.perf_counter(), time.perf_counter() - self.last
+            now = time.perf_counter()
+            print(iteration_line(m, self.total, now - self.last), file=sys.stderr, flush=True)
             self.last = now
-            print(iteration_line(m, self.total, seconds), file=sys.stderr, flush=True)
 
     def close(self):
         global _open_run_dir
