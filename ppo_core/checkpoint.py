@@ -7,6 +7,8 @@
         rng.safetensors                                  torch CPU/CUDA RNG states, sampling and shuffle generators
         trainer_state.json                               iteration, optimizer step, KL controller, prompt
                                                          stream position, Python and NumPy RNG states
+        manifest.json                                    written last: the byte size and SHA-256 of every
+                                                         other file of the step (sharded/ included)
         trainable.safetensors                            LoRA runs only: the adapters (and the critic's head), what
                                                          a resume loads on top of the base checkpoint; the HF
                                                          files above hold the merged weights
@@ -22,7 +24,14 @@ the rest of the ecosystem; a resume reads the sharded copy, each process its own
 Tensors go to safetensors and small state to JSON: nothing is pickled, and loading never runs code.
 A save writes `checkpoints/.tmp-step-N/`, fsyncs every file, renames it to `step-N`, and only then
 points `latest` at it; a process killed anywhere in between leaves the previous checkpoint loadable.
+
+A resume trusts nothing it has not checked (resume_checkpoint): every file of the step must match its manifest
+(size, then SHA-256, read in 4 MiB chunks), else the step is skipped, with a line saying which file, for the
+newest older step that does match; trainer_state.json must pass a schema check (STATE_SCHEMA), and the optimizer
+moments must have the shapes of the parameters they belong to. A step saved before checkpoints carried a manifest
+(trainer_state.json without "manifest") is used unverified, with a line saying so.
 """
+import hashlib
 import json
 import os
 import random
@@ -30,14 +39,19 @@ import shutil
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from . import distributed as dist
 from . import lora
-from .model import CheckpointError
+from .model import CheckpointError, read_safetensors
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+
+
+class CheckpointMismatch(CheckpointError):
+    """A step's files are not what its save wrote (or its manifest is gone): a resume skips it for an older one."""
 
 
 def _fsync_dir(path):
@@ -142,7 +156,8 @@ def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, cr
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
                 rng[f"torch.cuda.{i}"] = s
         save_file(rng, os.path.join(tmp, "rng.safetensors"))
-        full_state = {**state, "step": step, "python_rng": python_rng_state(), "numpy_rng": numpy_rng_state()}
+        full_state = {**state, "step": step, "python_rng": python_rng_state(), "numpy_rng": numpy_rng_state(),
+                      "manifest": MANIFEST}  # this step has one: a resume refuses it without
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(full_state, f)
     hook("state")
@@ -150,6 +165,7 @@ def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, cr
         _fsync_tree(os.path.join(tmp, SHARDED_DIR))  # each process its own shard file (and the rest: harmless)
         dist.barrier()
     if rank0:
+        write_manifest(tmp)  # last: it vouches for every file above, each process's shards included
         _fsync_tree(tmp)
         if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
             shutil.rmtree(final)
@@ -275,7 +291,8 @@ def _prune(root, keep, current):
 
 
 def latest_checkpoint(run_path):
-    """The path `latest` points to, or None when the run has no complete checkpoint."""
+    """The path `latest` points to, or None when the run has no complete checkpoint (read as it is: a resume
+    goes through resume_checkpoint, which checks it)."""
     root = os.path.join(run_path, "checkpoints")
     pointer = os.path.join(root, LATEST)
     if not os.path.isfile(pointer):
@@ -289,8 +306,157 @@ def latest_checkpoint(run_path):
 
 
 def checkpoint_step(path) -> int:
-    with open(os.path.join(path, STATE_FILE)) as f:
-        return json.load(f)["step"]
+    return read_state(path)["step"]
+
+
+# ---------------------------------------------------------------------------- trusting what is on disk
+def file_sha256(path, chunk_bytes=4 << 20) -> str:
+    """SHA-256 of a file read in 4 MiB chunks into one buffer: memory stays flat whatever the file's size."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(max(1, min(chunk_bytes, os.fstat(f.fileno()).st_size)))  # a small file, a small buffer
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _step_files(step_dir) -> list:
+    """Every file of a step directory but the manifest, as '/'-separated paths relative to it, sorted."""
+    out = []
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), step_dir).replace(os.sep, "/")
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(step_dir):
+    """manifest.json: {"files": {relative path: {"bytes": size, "sha256": hex digest}}} of every other file."""
+    files = {rel: {"bytes": os.path.getsize(os.path.join(step_dir, rel)),
+                   "sha256": file_sha256(os.path.join(step_dir, rel))} for rel in _step_files(step_dir)}
+    with open(os.path.join(step_dir, MANIFEST), "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+
+
+def verify_step(step_dir) -> bool:
+    """Whether every file of a step is what its save wrote: True when it matches its manifest, False when it was
+    saved before checkpoints carried one (unverified). CheckpointMismatch (one line naming the file) when a file
+    differs in size or SHA-256, is missing or is not listed, or when the manifest is missing or malformed;
+    CheckpointError when there is no manifest and trainer_state.json is malformed (read_state)."""
+    manifest_path = os.path.join(step_dir, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        if read_state(step_dir).get("manifest") is None:
+            return False  # saved by an older version: nothing to check against
+        raise CheckpointMismatch(f"{manifest_path} is missing (its {STATE_FILE} says the save wrote one)")
+    try:
+        with open(manifest_path) as f:
+            listed = json.load(f)["files"]
+        # the sizes first: a truncated file is caught before anything is hashed
+        expected = {rel: (int(entry["bytes"]), str(entry["sha256"])) for rel, entry in listed.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointMismatch(f"{manifest_path} is malformed ({type(e).__name__}: {e})") from None
+    on_disk = _step_files(step_dir)
+    unlisted = sorted(set(on_disk) - set(expected))
+    if unlisted:
+        raise CheckpointMismatch(f"{os.path.join(step_dir, unlisted[0])} is not listed in {MANIFEST}: not written by "
+                                 f"the save")
+    for rel, (size, _) in expected.items():
+        path = os.path.join(step_dir, rel)
+        if rel not in on_disk:  # also a listed path that climbs out of the step ('../x'): never read
+            raise CheckpointMismatch(f"{path} is missing (listed in {MANIFEST})")
+        if os.path.getsize(path) != size:
+            raise CheckpointMismatch(f"{path} has {os.path.getsize(path)} bytes, {MANIFEST} says {size}")
+    for rel, (_, sha) in expected.items():
+        if file_sha256(os.path.join(step_dir, rel)) != sha:
+            raise CheckpointMismatch(f"{os.path.join(step_dir, rel)} does not match its SHA-256 in {MANIFEST}")
+    return True
+
+
+def resume_checkpoint(run_path):
+    """The checkpoint a resume loads: the step `latest` names if its files match its manifest, else the newest older
+    step that does. -> (path or None, notes): notes are the lines the run prints first (a step skipped and why, a step
+    used unverified). CheckpointError when steps exist and none is intact, naming each step's first bad file."""
+    newest = latest_checkpoint(run_path)
+    if newest is None:
+        return None, []
+    root = os.path.dirname(newest)
+    newest_step = int(os.path.basename(newest).split("-")[1])
+    older = sorted((int(d.split("-")[1]) for d in os.listdir(root)
+                    if d.startswith("step-") and d.split("-")[1].isdigit() and int(d.split("-")[1]) < newest_step),
+                   reverse=True)
+    notes, refused = [], []
+    for path in [newest] + [os.path.join(root, f"step-{s}") for s in older]:
+        try:
+            verified = verify_step(path)
+        except CheckpointMismatch as e:
+            refused.append(str(e))
+            continue
+        if refused:
+            notes += [f"warning: checkpoint refused: {why}" for why in refused]
+            notes.append(f"warning: resuming from {path}, the newest intact checkpoint (the newer ones failed "
+                         f"verification; they stay on disk until the run saves those steps again)")
+        if not verified:
+            notes.append(f"warning: {path} has no {MANIFEST} (saved before checkpoints carried one): its files "
+                         f"are used unverified")
+        read_state(path)  # the schema: a step whose state file is malformed is an error, not a fallback
+        return path, notes
+    raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(refused))
+
+
+# The form of trainer_state.json: a key -> a type (int means int, not bool), a tuple of types, a nested
+# schema (dict) or [type] for a list of them; a key ending in '?' may be absent (older versions lack it).
+NUMBER = (int, float)
+STATE_SCHEMA = {
+    "step": int, "optimizer_step": int, "skipped_updates": int,
+    "kl_controller": {"value": NUMBER},
+    "prompt_stream": {"seed": int, "drawn": int},
+    "eval_before": NUMBER, "eval_before_greedy": NUMBER, "last_kl": NUMBER, "last_kl_k3?": NUMBER,
+    "elapsed_s?": NUMBER, "manifest?": str, "pending_metrics?": dict, "pending_rollout?": dict,
+    "python_rng": {"version": int, "internal": [int], "gauss": (float, type(None))},
+    "numpy_rng": {"name": str, "keys": [int], "pos": int, "has_gauss": int, "cached": NUMBER},
+}
+
+
+def _schema_error(value, schema, where):
+    """Where `value` first departs from `schema`, as 'KEY: expected ..., found ...', or None."""
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where or 'the file'}: expected an object, found {type(value).__name__}"
+        for key, sub in schema.items():
+            name = key.rstrip("?")
+            if name not in value:
+                if key.endswith("?"):
+                    continue
+                return f"{where + '.' if where else ''}{name}: missing"
+            error = _schema_error(value[name], sub, f"{where + '.' if where else ''}{name}")
+            if error:
+                return error
+        return None
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            return f"{where}: expected a list, found {type(value).__name__}"
+        return next((e for i, v in enumerate(value) if (e := _schema_error(v, schema[0], f"{where}[{i}]"))), None)
+    types = schema if isinstance(schema, tuple) else (schema,)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        return f"{where}: expected {' or '.join(t.__name__ for t in types)}, found {json.dumps(value)[:40]}"
+    return None
+
+
+def read_state(path) -> dict:
+    """trainer_state.json of checkpoint `path`, checked against STATE_SCHEMA. CheckpointError naming the file
+    and the key when it is not JSON, is truncated, lacks a key or holds a value of the wrong type."""
+    state_path = os.path.join(path, STATE_FILE)
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, truncated, not UTF-8
+        raise CheckpointError(f"{state_path}: cannot read ({e})") from None
+    error = _schema_error(state, STATE_SCHEMA, "")
+    if error:
+        raise CheckpointError(f"{state_path}: {error}")
+    return state
 
 
 def clean_partial_saves(run_path):
@@ -312,7 +478,7 @@ def _load_into(model, path):
         files = ["model.safetensors"]
     state = {}
     for name in files:
-        state.update(load_file(os.path.join(path, name)))
+        state.update(read_safetensors(os.path.join(path, name)))
     to_module = {hf: ours for ours, hf in getattr(model, "hf_names", {}).items()}  # e.g. score.weight -> score_head.weight
     state = {to_module.get(k, k): v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -325,39 +491,79 @@ def _load_into(model, path):
 def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generators: dict, sharded=False) -> dict:
     """Restore weights, optimizer moments and every RNG from a checkpoint; returns the trainer state.
     sharded: FSDP models, restored from the checkpoint's sharded/ copy (collective). A checkpoint with a
-    sharded/ copy is read from it in any case, so an FSDP run resumes on any number of processes."""
+    sharded/ copy is read from it in any case, so an FSDP run resumes on any number of processes.
+    Every file is checked before it is used (read_state, check_optimizer_tensors, check_rng_tensors):
+    CheckpointError naming the file and the key."""
     # A sharded checkpoint also resumes on another number of processes (each tensor's chunks carry their
     # offsets), a single process included, where the models are plain and read their whole tensors.
     from_shards = sharded or os.path.isdir(os.path.join(path, SHARDED_DIR))
+    state = read_state(path)
+    roles = _roles(policy, policy_opt, critic, critic_opt)
     try:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
-        roles = _roles(policy, policy_opt, critic, critic_opt)
         if from_shards:
             load_sharded(os.path.join(path, SHARDED_DIR), roles)
         else:
             if lora.has_lora(policy):  # the base is the run's starting checkpoint, already loaded
-                trainable = load_file(os.path.join(path, TRAINABLE_FILE))
+                trainable = read_safetensors(os.path.join(path, TRAINABLE_FILE))
                 for role, (model, _) in roles.items():
                     load_trainable_tensors(model, trainable, role, path)
             else:
                 _load_into(policy, path)
                 if critic is not None:
                     _load_into(critic, os.path.join(path, "critic"))
-            opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"))
-        rng = load_file(os.path.join(path, "rng.safetensors"))
+            opt_tensors = read_safetensors(os.path.join(path, "optimizer.safetensors"))
+            check_optimizer_tensors(opt_tensors, roles, os.path.join(path, "optimizer.safetensors"))
+        rng = read_safetensors(os.path.join(path, "rng.safetensors"))
+        check_rng_tensors(rng, generators, os.path.join(path, "rng.safetensors"))
+        if not from_shards:
+            for role, (_, opt) in roles.items():
+                load_optimizer_tensors(opt, opt_tensors, role)
+        for name, g in generators.items():
+            g.set_state(rng[f"generator.{name}"])
+        torch.set_rng_state(rng["torch.cpu"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([rng[f"torch.cuda.{i}"] for i in range(torch.cuda.device_count()) if f"torch.cuda.{i}" in rng])
+        set_python_rng_state(state["python_rng"])
+        set_numpy_rng_state(state["numpy_rng"])
     except CheckpointError:
         raise
-    except Exception as e:  # OSError, JSON errors, safetensors' own error for a truncated file
-        raise CheckpointError(f"cannot load checkpoint {path}: {e}") from None
-    if not from_shards:
-        for role, (_, opt) in roles.items():
-            load_optimizer_tensors(opt, opt_tensors, role)
-    for name, g in generators.items():
-        g.set_state(rng[f"generator.{name}"])
-    torch.set_rng_state(rng["torch.cpu"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([rng[f"torch.cuda.{i}"] for i in range(torch.cuda.device_count()) if f"torch.cuda.{i}" in rng])
-    set_python_rng_state(state["python_rng"])
-    set_numpy_rng_state(state["numpy_rng"])
+    except Exception as e:  # OSError, safetensors' own error for a truncated file, an RNG state of the wrong size
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from None
     return state
+
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")  # what torch.optim.AdamW keeps per parameter
+
+
+def check_optimizer_tensors(tensors: dict, roles: dict, file):
+    """optimizer.safetensors' tensors against the run's optimizers: every key '{role}.{index}.{name}' with a role the
+    run has, the index of one of its optimizer's parameters and an AdamW state name; each parameter's state whole;
+    the moments shaped as the parameter, the step count a scalar. CheckpointError naming the file and the key."""
+    params = {role: [p for group in opt.param_groups for p in group["params"]] for role, (_, opt) in roles.items()}
+    seen = {}
+    for key, value in tensors.items():
+        role, _, rest = key.partition(".")
+        index, _, name = rest.partition(".")
+        if role not in params or not index.isdigit() or int(index) >= len(params[role]) or name not in ADAM_STATE:
+            raise CheckpointError(f"{file}: key {key!r} is not '<{'|'.join(params)}>.<parameter index>."
+                                  f"<{'|'.join(ADAM_STATE)}>' of this run's optimizers "
+                                  f"({', '.join(f'{r}: {len(p)} parameters' for r, p in params.items())})")
+        want = () if name == "step" else tuple(params[role][int(index)].shape)
+        if tuple(value.shape) != want or not value.is_floating_point():
+            raise CheckpointError(f"{file}: {key} is {value.dtype} of shape {tuple(value.shape)}, the optimizer's "
+                                  f"parameter needs floating point of shape {want}")
+        seen.setdefault((role, int(index)), set()).add(name)
+    for (role, index), names in seen.items():
+        if len(names) != len(ADAM_STATE):
+            raise CheckpointError(f"{file}: {role}.{index} lacks {sorted(set(ADAM_STATE) - names)}")
+
+
+def check_rng_tensors(tensors: dict, generators: dict, file):
+    """rng.safetensors holds every generator's state and the CPU RNG's, each a byte tensor."""
+    for key in [f"generator.{name}" for name in generators] + ["torch.cpu"]:
+        if key not in tensors:
+            raise CheckpointError(f"{file}: {key}: missing")
+    for key, value in tensors.items():
+        if value.dtype != torch.uint8 or value.dim() != 1:
+            raise CheckpointError(f"{file}: {key} is {value.dtype} of shape {tuple(value.shape)}, an RNG state is "
+                                  f"a 1-D uint8 tensor")

@@ -6,8 +6,9 @@ Precedence: defaults < the TOML file < command-line overrides. A list field (rew
 list or comma-separated text (`--reward_fn=a.py:f,b.py:g`). `~` in path fields (policy, reference, critic,
 reward_model, prompts_file, eval_prompts_file, out, the file of a reward_fn) is expanded to the home directory.
 `help_text()` lists every field for `ppo-train --help`. A key that does not exist, a value of the
-wrong type or an impossible value is a `ConfigError` whose message names the key (and, for a typo, the
-closest valid key); the command line turns it into one line on stderr and exit status 2.
+wrong type or an impossible value is a `ConfigError` whose message names the key (and, for an unknown one, the
+closest valid keys, or the field another library's name means: `learning_rate` -> `lr`); every problem found is in
+the one error, "N config problems: ...; ...". The command line turns it into one line on stderr and exit status 2.
 """
 import ast
 import dataclasses
@@ -58,7 +59,7 @@ class PPOConfig:
     or any server of OpenRLHF's remote reward protocol; a batch is split across them (ppo_core.remote_reward). A server
     still down after the retries makes ppo-train save a checkpoint and stop with exit status 3. Empty = in-process."""
     reward_timeout_s: float = 60.0
-    """Seconds to wait for a reward server's answer to one request before trying again."""
+    """Seconds one request to a reward server may take, connecting to the answer's last byte, before a retry."""
     reward_retries: int = 3
     """Further tries of a reward request that got no answer, each after a doubling wait (1 s, 2 s, 4 s, ...)."""
     judge: str = ""
@@ -96,6 +97,9 @@ class PPOConfig:
     task's prompt stream."""
     eval_prompts_file: str = ""
     """Held-out prompts for evaluation, same format. Empty = the task's held-out set, or the last eval_size prompts of prompts_file (at most half)."""
+    drop_overlong_prompts: bool = False
+    """A prompt row with no room left in the policy's context for max_new_tokens: false = refused, naming its file and
+    line; true = dropped, the count in the run's first lines and in metrics (prompts/dropped_overlong)."""
 
     # ------------------------------------------------------------------ rollout
     iterations: int = 60
@@ -117,6 +121,9 @@ class PPOConfig:
     tools: str = "calculator,python"
     """With environment='tools': the tools offered, comma-separated: 'calculator', 'python' (code run in the sandbox,
     ppo_core.sandbox)."""
+    max_tool_calls_per_turn: int = 8
+    """With environment='tools': the tool calls run in one turn at most; the rest are not run, answered with one line
+    saying so and counted (env/calls_not_run). Bounds what one turn can cost (a Python call runs up to its timeout)."""
     max_turns: int = 4
     """With an environment: the policy's turns per episode at most (a class's own max_turns attribute wins)."""
     max_turn_tokens: int = 0
@@ -257,6 +264,10 @@ class PPOConfig:
     """Keep the newest this many checkpoints (the final one is always kept)."""
     max_skipped_updates: int = 3
     """Stop the run after this many consecutive updates with a non-finite loss or gradient (each is skipped)."""
+    stop_grace_s: float = 20.0
+    """After a SIGTERM / SIGINT, seconds the iteration in flight may take to finish and save; past them (or at a second
+    signal) it is abandoned, the last checkpoint kept: exit 143 (0 = wait for it). 20 s ends inside Slurm's and
+    Kubernetes' 30 s pre-emption grace."""
     out: str = ""
     """Run directory. Empty = runs/<policy directory>-<task, or custom with your own prompts_file/reward_fn/reward_model>-<date>-<time>."""
     seed: int = 0
@@ -353,10 +364,38 @@ def rollout_rows(cfg) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt
 
 
-def _unknown_key(key, where):
-    close = difflib.get_close_matches(key, FIELDS, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+# Names other libraries (TRL, verl, Hugging Face Trainer) give to what a field here is, for the unknown-key hint.
+ALIASES = {
+    "learning_rate": "lr", "num_ppo_epochs": "ppo_epochs", "num_train_epochs": "ppo_epochs",
+    "per_device_train_batch_size": "minibatch_size", "train_batch_size": "rollout_batch_size",
+    "batch_size": "rollout_batch_size", "mini_batch_size": "minibatch_size", "ppo_mini_batch_size": "minibatch_size",
+    "ppo_micro_batch_size": "micro_batch_size", "ppo_micro_batch_size_per_gpu": "micro_batch_size",
+    "beta": "kl_coef", "init_kl_coef": "kl_coef", "kl_ctl": "kl_coef",
+    "max_completion_length": "max_new_tokens", "response_length": "max_new_tokens", "max_response_length": "max_new_tokens",
+    "num_generations": "n_samples_per_prompt", "num_samples": "n_samples_per_prompt",
+    "cliprange": "clip_low", "clip_ratio": "clip_low", "epsilon": "clip_low", "epsilon_high": "clip_high",
+    "cliprange_value": "value_clip", "entropy_coeff": "entropy_coef", "adam_epsilon": "adam_eps",
+    "max_steps": "iterations", "total_episodes": "iterations", "output_dir": "out",
+    "model_name_or_path": "policy", "sft_model_path": "policy", "ref_model": "reference",
+    "reward_model_path": "reward_model", "loss_type": "loss_agg", "train_file": "prompts_file",
+}
+
+
+def _unknown_key(key, where) -> str:
+    """The line for a key that is no field: with the field other libraries' name for it means (ALIASES) and the
+    fields spelled closest to it (difflib), at most three."""
+    close = ([ALIASES[key]] if key in ALIASES else []) + difflib.get_close_matches(key, FIELDS, n=3)
+    close = list(dict.fromkeys(close))[:3]
+    hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
+    return f"unknown config key '{key}'{where}{hint}"
+
+
+def _one_error(problems: list[str]) -> ConfigError:
+    """Every problem found in one ConfigError, so that one run of the command shows all there is to fix: one problem
+    as it is; several as "N config problems: first; second; ...", still one line for the command line's stderr."""
+    if len(problems) == 1:
+        return ConfigError(problems[0])
+    return ConfigError(f"{len(problems)} config problems: " + "; ".join(problems))
 
 
 def _coerce(key, value, from_text):
@@ -414,18 +453,32 @@ def load_toml(path) -> dict:
 
 
 def build_config(toml_values: dict | None = None, overrides: dict | None = None, toml_path="") -> PPOConfig:
-    """Defaults < TOML values < command-line overrides (strings), then validated."""
-    values = {}
+    """Defaults < TOML values < command-line overrides (strings), then validated: every unknown key, impossible value
+    and conflict in one ConfigError (a value of the wrong type stops before the checks of values, which would check
+    the default in its place)."""
+    values, problems, unreadable = {}, [], False
     for key, value in (toml_values or {}).items():
         if isinstance(value, dict):
-            raise ConfigError(f"config file {toml_path}: tables are not used, key '{key}' must be a plain value (the config is flat)")
-        if key not in FIELDS:
-            raise _unknown_key(key, f" in {toml_path}" if toml_path else "")
-        values[key] = _coerce(key, value, from_text=False)
+            problems.append(f"config file {toml_path}: tables are not used, key '{key}' must be a plain value (the config is flat)")
+        elif key not in FIELDS:
+            problems.append(_unknown_key(key, f" in {toml_path}" if toml_path else ""))
+        else:
+            try:
+                values[key] = _coerce(key, value, from_text=False)
+            except ConfigError as e:
+                problems.append(str(e))
+                unreadable = True
     for key, value in (overrides or {}).items():
         if key not in FIELDS:
-            raise _unknown_key(key, "")
-        values[key] = _coerce(key, value, from_text=True)
+            problems.append(_unknown_key(key, ""))
+            continue
+        try:
+            values[key] = _coerce(key, value, from_text=True)
+        except ConfigError as e:
+            problems.append(str(e))
+            unreadable = True
+    if unreadable:
+        raise _one_error(problems)
     for key in PATH_FIELDS:  # `--policy=~/models/x`: the shell expands ~ only at the start of a word
         if key in values:
             values[key] = os.path.expanduser(values[key])
@@ -436,7 +489,9 @@ def build_config(toml_values: dict | None = None, overrides: dict | None = None,
     if values.get("task") == "toolmul" and not values.get("environment"):
         values["environment"] = "tools"  # the task is played with the calculator (ppo_core.tasks)
     cfg = PPOConfig(**values)
-    validate(cfg)
+    problems += _problems(cfg)
+    if problems:
+        raise _one_error(problems)
     return cfg
 
 
@@ -447,11 +502,20 @@ def _expand_spec(spec):
 
 
 def validate(cfg: PPOConfig):
-    """Reject impossible values, naming the field."""
+    """Reject impossible values and conflicts, naming the field: every one found, in one ConfigError."""
+    problems = _problems(cfg)
+    if problems:
+        raise _one_error(problems)
+
+
+def _problems(cfg: PPOConfig) -> list[str]:
+    """validate's problems, one line each (a check that divides by a field first checks that field's range, so that
+    a bad value is one problem, not a crash)."""
+    problems = []
 
     def need(ok, key, what):
         if not ok:
-            raise ConfigError(f"config key '{key}' {what}, got {getattr(cfg, key)!r}")
+            problems.append(f"config key '{key}' {what}, got {getattr(cfg, key)!r}")
 
     for key in ("iterations", "rollout_batch_size", "n_samples_per_prompt", "filter_groups_max_batches", "keep_checkpoints", "max_skipped_updates", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
@@ -461,6 +525,7 @@ def validate(cfg: PPOConfig):
                 "kl_coef", "kl_target", "reward_clip", "missing_eos_penalty", "entropy_coef", "target_kl", "critic_warmup",
                 "overlong_buffer", "overlong_penalty", "eval_every", "log_samples_every", "save_every", "top_k", "threads"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
+    need(cfg.stop_grace_s >= 0, "stop_grace_s", "must be >= 0 (0 = wait for the iteration in flight)")
     need(cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
@@ -509,6 +574,7 @@ def validate(cfg: PPOConfig):
              "scores episodes with the environment's rewards: drop reward_fn, reward_model, judge and reward_url")
         need(not cfg.filter_groups, "environment", "does not combine with filter_groups yet")
         need(cfg.max_turns >= 1, "max_turns", "must be >= 1")
+        need(cfg.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
         need(cfg.max_turn_tokens >= 0, "max_turn_tokens", "must be >= 0 (0 = no limit but max_new_tokens)")
     need(cfg.rollout_kv_cache_gb >= 0, "rollout_kv_cache_gb", "must be >= 0 (0 = the default budget)")
     need(cfg.lora_rank >= 0, "lora_rank", "must be >= 0")
@@ -518,11 +584,12 @@ def validate(cfg: PPOConfig):
     need(cfg.task in ("reverse", "arith", "toolmul"), "task", "must be 'reverse', 'arith' or 'toolmul' (the built-in tasks)")
     rows = rollout_rows(cfg)
     need(cfg.minibatch_size <= rows, "minibatch_size", f"must be <= rollout_batch_size * n_samples_per_prompt ({rows})")
-    need(rows % cfg.minibatch_size == 0, "rollout_batch_size", f"times n_samples_per_prompt ({rows}) must be a multiple of minibatch_size ({cfg.minibatch_size})")
+    # a multiple is checked only where the sizes are in range: one cause, one line
+    need(not 1 <= cfg.minibatch_size <= rows or rows % cfg.minibatch_size == 0, "rollout_batch_size", f"times n_samples_per_prompt ({rows}) must be a multiple of minibatch_size ({cfg.minibatch_size})")
     need(cfg.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = padded micro-batches of micro_batch_size)")
     if not cfg.micro_batch_tokens:
         need(cfg.micro_batch_size <= cfg.minibatch_size, "micro_batch_size", f"must be <= minibatch_size ({cfg.minibatch_size})")
-        need(cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
+        need(not 1 <= cfg.micro_batch_size <= cfg.minibatch_size or cfg.minibatch_size % cfg.micro_batch_size == 0, "minibatch_size", f"must be a multiple of micro_batch_size ({cfg.micro_batch_size})")
     need(cfg.kl_target == 0 or cfg.kl_coef > 0, "kl_coef", "must be > 0 when kl_target > 0 (the adaptive controller scales it multiplicatively)")
     need(not (cfg.reward_fn and cfg.reward_model), "reward_model", "conflicts with reward_fn: give one reward source")
     need(not (cfg.reward_url and (cfg.reward_fn or cfg.reward_model)), "reward_url",
@@ -547,18 +614,25 @@ def validate(cfg: PPOConfig):
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_fn), "reward_weights",
          f"must hold one weight per reward_fn ({len(cfg.reward_fn)})")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", "must be finite")
-    refuse_unread_settings(cfg)
+    return problems + _unread_settings(cfg)
 
 
 def refuse_unread_settings(cfg: PPOConfig):
     """Keys that only some estimators, loss kinds or modes read, set away from their default where nothing reads them:
     refused, naming both keys, rather than silently ignored (a run that differs from what its config says)."""
-    default = PPOConfig()
+    problems = _unread_settings(cfg)
+    if problems:
+        raise _one_error(problems)
+
+
+def _unread_settings(cfg: PPOConfig) -> list[str]:
+    """refuse_unread_settings' problems, one line each."""
+    default, problems = PPOConfig(), []
 
     def unread(key, other, why):
         if getattr(cfg, key) != getattr(default, key):
-            raise ConfigError(f"config key '{key}' has no effect with {other}={getattr(cfg, other)!r} ({why}), "
-                              f"got {getattr(cfg, key)!r}")
+            problems.append(f"config key '{key}' has no effect with {other}={getattr(cfg, other)!r} ({why}), "
+                            f"got {getattr(cfg, key)!r}")
 
     if cfg.policy_loss_kind == "gspo":
         unread("dual_clip", "policy_loss_kind", "GSPO clips one ratio per sequence; dual-clip caps token losses")
@@ -590,6 +664,7 @@ def refuse_unread_settings(cfg: PPOConfig):
             unread(key, "environment", "one response per prompt, no turns")
     if cfg.environment != "tools":
         unread("tools", "environment", "only the shipped ToolEnvironment offers them")
+        unread("max_tool_calls_per_turn", "environment", "only the shipped ToolEnvironment runs tool calls")
     if not cfg.chat_template and not cfg.environment:
         unread("enable_thinking", "chat_template", "only a chat template reads it (or an environment's episodes)")
     if cfg.parallel == "ddp":
@@ -604,38 +679,44 @@ def refuse_unread_settings(cfg: PPOConfig):
         if not cfg.reward_url:  # a pairwise judge on a reward server reads these two as well
             for key in ("judge_mode", "judge_reference_column"):
                 unread(key, "judge", "no judge in this process or on a reward server")
+    return problems
 
 
 def parse_cli(argv: list[str]) -> tuple[dict, dict]:
     """Split argv into the driver's own flags (--config, --resume) and config overrides.
 
-    Accepts `--key=value` and `--key value`; `--flag` alone sets a bool field to true.
+    Accepts `--key=value` and `--key value`; `--flag` alone sets a bool field to true. A key that is no field is
+    passed on in the overrides, for build_config to list with every other problem; the malformed arguments are
+    listed in one ConfigError here.
     """
-    own, overrides = {}, {}
+    own, overrides, problems = {}, {}, []
     i = 0
     while i < len(argv):
         arg = argv[i]
+        i += 1
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r} (options look like --key=value)")
+            problems.append(f"unexpected argument {arg!r} (options look like --key=value)")
+            continue
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
+        known = key in FIELDS or key in ("config", "resume")
         if not eq:
             is_bool = key in FIELDS and FIELDS[key].type in (bool, "bool")
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if is_bool and (nxt is None or nxt.startswith("--")):
-                value = "true"
-            elif nxt is None or nxt.startswith("--"):
-                raise ConfigError(f"option --{key} needs a value")
-            else:
+            nxt = argv[i] if i < len(argv) else None
+            if nxt is not None and not nxt.startswith("--"):
                 value = nxt
                 i += 1
+            elif is_bool:
+                value = "true"
+            elif known:
+                problems.append(f"option --{key} needs a value")
+                continue
         if key in ("config", "resume"):
             own[key] = value
         else:
-            if key not in FIELDS:
-                raise _unknown_key(key, "")
             overrides[key] = value
-        i += 1
+    if problems:
+        raise _one_error(problems)
     return own, overrides
 
 

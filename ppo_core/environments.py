@@ -37,7 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .reward_functions import import_callable
-from .tools import Calculator, PythonTool, parse_tool_calls, run_tool_calls, tool_messages, tool_schemas
+from .tools import (MAX_CALLS_PER_TURN, TOOL_CALL_END, TOOL_CALL_START, Calculator, PythonTool, run_tool_calls,
+                    tool_messages, tool_schemas)
 
 
 class IncrementalRenderError(ValueError):
@@ -159,13 +160,16 @@ class ToolEnvironment:
     come back as `tool` messages (reward 0); a turn without a tool call is the answer, scored 1.0 when, stripped, it
     equals str(row[answer_column]) stripped, else 0.0, and the episode ends. tools: {name: tool}; pass
     ppo_core.tools.tool_schemas(tools.values()) to run_episodes' `tools` so the template shows them to the policy.
-    `counts` sums run_tool_calls' counts over the episode (tool calls, malformed calls, tool errors) and the seconds its
-    tools ran (tool_s: the sandbox's, for the Python tool)."""
+    `counts` sums run_tool_calls' counts over the episode (tool calls, malformed calls, tool errors, calls not run)
+    and the seconds its tools ran (tool_s: the sandbox's, for the Python tool). max_tool_calls_per_turn: the calls run
+    in one turn; the rest are answered with one line saying they were not run. Whatever the turn's text, step
+    returns: its tool calls are data (ppo_core.tools never raises on them)."""
 
-    def __init__(self, tools: dict, max_turns=4, answer_column="answer", system_prompt=None):
-        self.tools, self.max_turns = tools, max_turns
+    def __init__(self, tools: dict, max_turns=4, answer_column="answer", system_prompt=None,
+                 max_tool_calls_per_turn=MAX_CALLS_PER_TURN):
+        self.tools, self.max_turns, self.max_tool_calls_per_turn = tools, max_turns, max_tool_calls_per_turn
         self.answer_column, self.system_prompt = answer_column, system_prompt
-        self.counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0, "tool_s": 0.0}
+        self.counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0, "calls_not_run": 0, "tool_s": 0.0}
 
     def reset(self, row):
         self.row = row
@@ -173,9 +177,9 @@ class ToolEnvironment:
         return system + [{"role": "user", "content": row["prompt"]}]
 
     def step(self, assistant_text):
-        if parse_tool_calls(assistant_text):
+        if TOOL_CALL_START in assistant_text or TOOL_CALL_END in assistant_text:  # a block, well-formed or not
             start = time.perf_counter()
-            observations, counts = run_tool_calls(assistant_text, self.tools)
+            observations, counts = run_tool_calls(assistant_text, self.tools, self.max_tool_calls_per_turn)
             self.counts["tool_s"] += time.perf_counter() - start
             for key, n in counts.items():
                 self.counts[key] += n
@@ -196,14 +200,17 @@ def make_tools(names: str) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def make_environment(spec: str, tools: str = "calculator,python", max_turns: int = 4):
+def make_environment(spec: str, tools: str = "calculator,python", max_turns: int = 4,
+                     max_tool_calls_per_turn: int = MAX_CALLS_PER_TURN):
     """-> (a function that builds one environment, the tool schemas its chat template shows, or None). spec: 'tools',
-    the shipped ToolEnvironment over `tools`; 'file.py:Class' or 'module:Class', a user's class built with no
-    arguments, given max_turns where it sets none. Cached: a user's file is loaded once, not for every row."""
+    the shipped ToolEnvironment over `tools`, running at most max_tool_calls_per_turn calls a turn; 'file.py:Class'
+    or 'module:Class', a user's class built with no arguments, given max_turns where it sets none. Cached: a user's
+    file is loaded once, not for every row."""
     if spec == "tools":
         offered = make_tools(tools)
-        return (lambda: ToolEnvironment(offered, max_turns=max_turns)), tool_schemas(offered.values())
-    cls = import_callable(spec)
+        return (functools.partial(ToolEnvironment, offered, max_turns=max_turns,
+                                  max_tool_calls_per_turn=max_tool_calls_per_turn), tool_schemas(offered.values()))
+    cls = import_callable(spec, "environment")
 
     def build():
         env = cls()

@@ -143,7 +143,9 @@ class ModelArgs:
                                   f"num_key_value_heads={self.num_key_value_heads}")
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict, source="config.json") -> "ModelArgs":
+        """`cfg` (a config.json as a dict; `source` names it in errors), checked by check_hf_config first."""
+        check_hf_config(cfg, source)
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise CheckpointError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
@@ -207,6 +209,74 @@ class ModelArgs:
             pad_token_id=cfg.get("pad_token_id"),
             hf_config=dict(cfg),
         )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# config.json's integers that size what is built, as (smallest, largest): a value outside, or not an integer, is
+# refused before anything is allocated (the largest well above any released model, far below exhausting memory).
+CONFIG_INT_RANGES = {
+    "vocab_size": (1, 2 ** 22), "hidden_size": (1, 65536 * 4), "intermediate_size": (1, 2 ** 20),
+    "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 4096), "num_key_value_heads": (1, 4096),
+    "head_dim": (1, 4096), "max_position_embeddings": (1, 2 ** 26), "sliding_window": (1, 2 ** 26),
+    "max_window_layers": (0, 2 ** 20), "no_rope_layer_interval": (1, 1024),
+}
+CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# the other keys from_hf_config reads, by the JSON type they must have when present and not null
+_CONFIG_TYPES = {"rms_norm_eps": "number", "rope_theta": "number", "clip_qkv": "number", "pad_token_id": "integer",
+                 "tie_word_embeddings": "boolean", "attention_bias": "boolean", "mlp_bias": "boolean",
+                 "use_sliding_window": "boolean", "hidden_act": "string", "architectures": "array",
+                 "layer_types": "array", "no_rope_layers": "array", "rope_scaling": "object", "rope_parameters": "object",
+                 "num_labels": "integer", "id2label": "object"}
+_JSON_TYPE_CHECKS = {"number": lambda v: _is_int(v) or isinstance(v, float), "integer": _is_int,
+                     "boolean": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
+                     "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict)}
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor")
+
+
+def check_hf_config(cfg, source="config.json"):
+    """Refuse a config.json (as a dict; `source` names it) whose keys from_hf_config reads have the wrong JSON type
+    or an out-of-range size (CONFIG_INT_RANGES), or whose head counts do not divide: one CheckpointError naming
+    the file and the key, before anything is built."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    arches = cfg.get("architectures")
+    if arches is not None and not (isinstance(arches, list) and all(isinstance(a, str) for a in arches)):
+        raise CheckpointError(f"{source}: key 'architectures' must be a list of strings, got {arches!r}")
+    _architecture(cfg)  # a model of another family is named as such before its keys are checked
+    for key in CONFIG_REQUIRED:
+        if cfg.get(key) is None:
+            raise CheckpointError(f"{source}: missing key '{key}'")
+    for key, (low, high) in CONFIG_INT_RANGES.items():
+        value = cfg.get(key)
+        if value is not None and not (_is_int(value) and low <= value <= high):
+            raise CheckpointError(f"{source}: key '{key}' must be an integer in [{low}, {high}], got {value!r}")
+    for key, kind in _CONFIG_TYPES.items():
+        if cfg.get(key) is not None and not _JSON_TYPE_CHECKS[kind](cfg[key]):
+            raise CheckpointError(f"{source}: key '{key}' must be a JSON {kind}, got {cfg[key]!r}")
+    for key in ("rms_norm_eps", "rope_theta", "clip_qkv"):
+        if cfg.get(key) is not None and not cfg[key] > 0:
+            raise CheckpointError(f"{source}: key '{key}' must be positive, got {cfg[key]!r}")
+    L, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise CheckpointError(f"{source}: key 'num_key_value_heads' ({kv_heads}) must divide "
+                              f"num_attention_heads ({heads})")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise CheckpointError(f"{source}: key 'hidden_size' ({cfg['hidden_size']}) must be a multiple of "
+                              f"num_attention_heads ({heads}) when there is no head_dim")
+    for key, allowed in (("layer_types", ("full_attention", "sliding_attention")), ("no_rope_layers", (0, 1))):
+        values = cfg.get(key)
+        if values is not None and (len(values) != L or any(v not in allowed or type(v) is float for v in values)):
+            raise CheckpointError(f"{source}: key '{key}' must list one of {allowed} for each of the {L} layers")
+    for key in ("rope_scaling", "rope_parameters"):  # flat, or nested by layer type
+        params = cfg.get(key) or {}
+        for p in [params, *(v for v in params.values() if isinstance(v, dict))]:
+            for name in _ROPE_NUMBERS:
+                if p.get(name) is not None and not _JSON_TYPE_CHECKS["number"](p[name]):
+                    raise CheckpointError(f"{source}: key '{key}': '{name}' must be a number, got {p[name]!r}")
 
 
 def _standardize_rope(cfg, family, layer_types, default_theta) -> dict:
@@ -1172,23 +1242,101 @@ class ScoreModel(nn.Module, PretrainedMixin):
 # safetensors, read and written by hand: 8 bytes header length (little endian), a JSON header
 # {name: {"dtype", "shape", "data_offsets": [begin, end]}}, then the raw little-endian tensor bytes.
 # Reading with plain file reads straight into each parameter keeps peak memory at the model's size (a memory
-# map would add every touched page of the file to the process's RSS).
+# map would add every touched page of the file to the process's RSS), and casts each tensor on its way in.
+# The header is checked as the safetensors library checks it before a byte of data is trusted (every entry's
+# bytes exactly its tensor's size, the entries tiling the data section with no gap or overlap, to the file's
+# last byte), and every read is checked for its length: a crafted or damaged file is a CheckpointError naming
+# it, never a parameter left as uninitialised memory or filled from another tensor's bytes.
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+SAFETENSORS_MAX_HEADER = 100_000_000
+"""Bytes: a longer header is refused unread (the safetensors library's own limit)."""
 
 
-def read_safetensors_header(f):
-    """-> ({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data) of an open file."""
-    n = int.from_bytes(f.read(8), "little")
+def read_safetensors_header(f, file=None):
+    """-> ({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data) of a safetensors file open for
+    reading at its start, checked before anything is trusted (see above). Raises CheckpointError naming `file`."""
+    file = file or getattr(f, "name", "safetensors file")
+
+    def bad(what):
+        return CheckpointError(f"cannot read {file} (not a valid safetensors file): {what}")
+
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise bad(f"{len(prefix)} bytes long, shorter than the 8-byte header length")
+    n = int.from_bytes(prefix, "little")
+    if n > SAFETENSORS_MAX_HEADER or n > size - 8:
+        raise bad(f"header length {n} bytes, but the file has {size - 8} after it (at most {SAFETENSORS_MAX_HEADER})")
     raw = f.read(n)
     if len(raw) != n:
-        raise ValueError(f"header of {n} bytes, file ends after {len(raw)}")
-    header = json.loads(raw)
-    header.pop("__metadata__", None)
+        raise bad(f"header of {n} bytes, the file ended after {len(raw)}")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad(f"header is not JSON ({str(e) or type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    if not isinstance(header.pop("__metadata__", {}), dict):
+        raise bad("__metadata__ is not an object")
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise bad(f"tensor {name}: its entry is not an object")
+        dtype, shape, offsets = _ST_DTYPES.get(info.get("dtype")), info.get("shape"), info.get("data_offsets")
+        if dtype is None:
+            raise bad(f"tensor {name}: unsupported dtype {info.get('dtype')!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"tensor {name}: shape must be a list of non-negative integers, got {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise bad(f"tensor {name}: data_offsets must be [begin, end], got {offsets!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"tensor {name}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, its shape "
+                      f"{shape} of {info['dtype']} takes {nbytes}")
+    end = 0  # the tensors must tile the data section: each begins where the one before it ends
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+        begin = info["data_offsets"][0]
+        if begin != end:
+            raise bad(f"tensor {name} begins at byte {begin} of the data, " +
+                      ("overlapping the tensor before it" if begin < end else f"leaving a gap after byte {end}"))
+        end = info["data_offsets"][1]
+    if 8 + n + end != size:
+        raise bad(f"its tensors take {end} bytes after the header, the file has {size - 8 - n}"
+                  + (" (truncated)" if 8 + n + end > size else ""))
     return header, 8 + n
+
+
+def _read_into(f, tensor, file, name):
+    """Fill contiguous CPU `tensor` from f's current position; a short read (a file that changed since its header
+    was checked) is a CheckpointError, never bytes left as they were."""
+    view = memoryview(_bytes_of(tensor))
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise CheckpointError(f"{file}: tensor {name}: the file ended after {done} of its {len(view)} bytes")
+        done += got
+
+
+def read_safetensors(path) -> dict:
+    """Every tensor of a safetensors file (what `safetensors.torch.load_file` returns, on the CPU), through the
+    checks of read_safetensors_header. Raises CheckpointError naming the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            header, data_start = read_safetensors_header(f, path)
+            tensors = {}
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+                tensors[name] = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
+                f.seek(data_start + info["data_offsets"][0])
+                _read_into(f, tensors[name], path, name)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    return tensors
 
 
 def _bytes_of(tensor):
@@ -1237,26 +1385,46 @@ def checkpoint_dir(path) -> str:
     return path
 
 
+def read_json_object(file) -> dict:
+    """A JSON file that must hold an object, as a dict. Unreadable, not JSON (or nested past Python's recursion
+    limit), or another kind of JSON value: a CheckpointError naming the file."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{file}: not valid JSON ({str(e) or type(e).__name__})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def read_config(path) -> dict:
-    """config.json of a checkpoint directory as a dict."""
+    """config.json of a checkpoint directory as a dict, checked by check_hf_config."""
     path = checkpoint_dir(path)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"no config.json in checkpoint directory {path!r}")
-    try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = read_json_object(cfg_path)
+    check_hf_config(cfg, cfg_path)
+    return cfg
 
 
 def _safetensors_files(path) -> list[str]:
+    """The weight files of a checkpoint directory: model.safetensors, or the shards its index names (plain file
+    names in the directory: an index cannot send the loader elsewhere)."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if name != os.path.basename(name) or name in ("", ".", "..") or not name.endswith(".safetensors"):
+                raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file name in the checkpoint")
+        return [os.path.join(path, name) for name in names]
     if os.path.isfile(single):
         return [single]
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
@@ -1264,49 +1432,56 @@ def _safetensors_files(path) -> list[str]:
 
 def _load_weights(module: nn.Module, path, device, dtype, skip=()):
     """Fill `module` (built on the meta device) from safetensors, one tensor at a time: each is read straight
-    into its parameter when dtypes match on the CPU, else through one staging tensor of its own size."""
-    module.to(dtype)  # on the meta device: no data, only the dtype of every tensor
-    module.to_empty(device=device)
-    params = dict(module.named_parameters(remove_duplicate=False))
-    params.update(dict(module.named_buffers()))
-    params = {module.hf_names.get(k, k): v for k, v in params.items() if k not in skip}
-    seen = set()
+    into its parameter when dtypes match on the CPU, else through one staging tensor of its own size. Every
+    header is read and checked, and every parameter matched to a tensor of its shape, before the module is
+    allocated: a config.json describing a bigger model than the files hold costs no memory."""
+    def by_file_name():  # the module's tensors by their names in the checkpoint
+        params = dict(module.named_parameters(remove_duplicate=False), **dict(module.named_buffers()))
+        return {module.hf_names.get(k, k): v for k, v in params.items() if k not in skip}
+
+    params = by_file_name()  # on the meta device: shapes only
+    where = {}  # name -> (file, header entry, byte offset of the file's data)
     for file in _safetensors_files(path):
         if not os.path.isfile(file):
             raise CheckpointError(f"missing checkpoint shard {file!r}")
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            try:
-                header, data_start = read_safetensors_header(f)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"cannot read {file}: not a safetensors file ({e})") from None
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                if name not in params:
-                    continue  # e.g. a ForCausalLM's lm_head when loading a critic
-                target = params[name]
-                shape, file_dtype = tuple(info["shape"]), _ST_DTYPES.get(info["dtype"])
-                begin, end = info["data_offsets"]
-                if shape != tuple(target.shape):
-                    raise CheckpointError(f"{file}: tensor {name} has shape {shape}, model expects {tuple(target.shape)}")
-                if file_dtype is None:
-                    raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
-                if data_start + end > size:
-                    raise CheckpointError(f"{file} is truncated: tensor {name} ends past the end of the file")
-                f.seek(data_start + begin)
-                with torch.no_grad():
-                    if target.device.type == "cpu" and file_dtype == target.dtype and target.is_contiguous():
-                        f.readinto(memoryview(_bytes_of(target.data)))
-                    else:
-                        staging = torch.empty(shape, dtype=file_dtype)
-                        f.readinto(memoryview(_bytes_of(staging)))
-                        target.copy_(staging)
-                        del staging
-                seen.add(name)
+        try:
+            with open(file, "rb") as f:
+                header, data_start = read_safetensors_header(f, file)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+        for name, info in header.items():
+            if name not in params:
+                continue  # e.g. a ForCausalLM's lm_head when loading a critic
+            if name in where:
+                raise CheckpointError(f"{file}: tensor {name} is also in {where[name][0]}")
+            if tuple(info["shape"]) != tuple(params[name].shape):
+                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(info['shape'])}, model expects "
+                                      f"{tuple(params[name].shape)}")
+            where[name] = (file, info, data_start)
     tied = {"lm_head.weight"} if module.args.tie_word_embeddings else set()
-    missing = sorted(set(params) - seen - tied)
+    missing = sorted(set(params) - set(where) - tied)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {path!r} is missing {len(missing)} tensor(s): {shown}")
+
+    module.to(dtype)  # on the meta device: no data, only the dtype of every tensor
+    module.to_empty(device=device)
+    params = by_file_name()
+    for file in dict.fromkeys(file for file, _, _ in where.values()):
+        tensors = sorted(((info["data_offsets"][0], name, info, data_start)
+                          for name, (in_file, info, data_start) in where.items() if in_file == file))
+        with open(file, "rb") as f:
+            for begin, name, info, data_start in tensors:  # in file order: one forward pass over the file
+                target, file_dtype = params[name], _ST_DTYPES[info["dtype"]]
+                f.seek(data_start + begin)
+                with torch.no_grad():
+                    if target.device.type == "cpu" and file_dtype == target.dtype and target.is_contiguous():
+                        _read_into(f, target.data, file, name)
+                    else:
+                        staging = torch.empty(info["shape"], dtype=file_dtype)
+                        _read_into(f, staging, file, name)
+                        target.copy_(staging)
+                        del staging
 
 
 def _architecture(cfg) -> str:
@@ -1393,8 +1568,8 @@ def count_parameters(config_or_path) -> int:
             if os.path.isdir(cfg):
                 cfg = read_config(cfg)
             else:
-                with open(cfg) as f:
-                    cfg = json.load(f)
+                cfg = read_json_object(cfg)
+                check_hf_config(cfg, config_or_path)
         arch = _architecture(cfg)
         args = ModelArgs.from_hf_config(cfg)
     with torch.device("meta"):

@@ -468,6 +468,69 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
     }
 
 
+# ---------------------------------------------------------------------------- a run's batch against this machine
+
+HOST_BYTES_PER_ROLLOUT_ROW = 16_000
+"""Host memory a rollout row holds beyond the tensors plan() counts: its prompt and sampled tokens, log-probs and
+entropies as Python lists, the engine's per-sequence state, the reward's inputs. Measured as the peak resident memory
+of one demo iteration (ppo-train --rollout_batch_size B --iterations 1) from B = 512 to 8,192: 22 to 31 kB a row
+(responses of 12 and 36 tokens alike); this is a lower bound under that, so that a batch refused for it is one that
+cannot run."""
+
+
+def available_memory(device) -> tuple[float, str]:
+    """(bytes, where they were read) that a run on `device` can still take: a GPU's free memory
+    (torch.cuda.mem_get_info), else the host's MemAvailable (/proc/meminfo; elsewhere the free pages, os.sysconf)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0]), f"free on {torch.cuda.get_device_name(device)}"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kb * 1024.0, "MemAvailable"
+    except (OSError, StopIteration, ValueError):
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "free memory"
+
+
+def check_run_fits(cfg, policy_path, prompt_len: int, processes: int, device):
+    """PlanError unless the run's rollout and update fit the memory this machine has now (before any model is built),
+    by plan()'s estimate for the run's config: on a GPU its per-GPU total against the device's free memory; on the CPU,
+    where the single-process loop computes in float32 (so the estimate is a lower bound), the same total less the CUDA
+    overhead, plus HOST_BYTES_PER_ROLLOUT_ROW a row, for every process on the machine against MemAvailable. The line
+    says the estimate, the memory there is, and the keys that lower it. A model the planner cannot read is left to
+    the loader's own message."""
+    from .config import rollout_rows, uses_critic  # here: the planner's command line does not need the trainer's config
+
+    available, where = available_memory(device)
+    rows = rollout_rows(cfg)
+    try:
+        p = plan(policy_path, critic=(cfg.critic or policy_path) if uses_critic(cfg) else "", reference=cfg.reference,
+                 reward_model=cfg.reward_model if os.path.exists(os.path.expanduser(cfg.reward_model or "-")) else "",
+                 gpus=processes, gpu_memory_gb=max(available, 1.0) / GB, prompt_len=max(prompt_len, 1),
+                 response_len=cfg.max_new_tokens, rollout_batch=rows, micro_batch=cfg.micro_batch_size,
+                 micro_batch_tokens=cfg.micro_batch_tokens, lora_rank=cfg.lora_rank,
+                 sharding="fsdp" if cfg.parallel == "fsdp" and processes > 1 else "none",
+                 offload=cfg.cpu_offload and cfg.parallel == "fsdp" and processes > 1,
+                 activation_checkpointing=cfg.gradient_checkpointing, critic_free=not uses_critic(cfg),
+                 rollout_engine=cfg.rollout_engine,
+                 kv_cache_gb=cfg.rollout_kv_cache_gb or (None if device.type == "cuda" else _cpu_kv_cache_gb()))
+    except (PlanError, CheckpointError, OSError, KeyError, ValueError, TypeError):
+        return
+    need = p["per_gpu_gb"] * GB
+    if device.type != "cuda":  # one machine holds every process, and each one's rows as Python objects too
+        need = processes * (need - CUDA_OVERHEAD_BYTES + HOST_BYTES_PER_ROLLOUT_ROW * p["rollout_batch_per_gpu"])
+    if need > available:
+        raise PlanError(f"config key 'rollout_batch_size': a rollout of {rows} sequences of up to {prompt_len} + "
+                        f"{cfg.max_new_tokens} tokens and its update need about {need / GB:.1f} GB (ppo-plan's "
+                        f"estimate), and this machine has {available / GB:.1f} GB ({where}); lower rollout_batch_size "
+                        f"or n_samples_per_prompt, max_new_tokens, micro_batch_size or micro_batch_tokens")
+
+
+def _cpu_kv_cache_gb():
+    from .engine import CPU_KV_CACHE_GB  # the engine's CPU pool budget (GiB), an upper bound
+
+    return CPU_KV_CACHE_GB
+
+
 # ---------------------------------------------------------------------------- the command line
 
 def _fmt_params(n):

@@ -16,15 +16,22 @@ File formats (`load_rows`), chosen by the file's extension:
   otherwise  plain text: one prompt per non-empty line, kept as written (only the newline is dropped).
 A "prompt" or "messages" that is null counts as absent, so a table may hold both columns with one null per row;
 a "prompt" that is a list of turns (verl's Parquet layout) is read as "messages".
-Anything else wrong with a row is a `PromptsError`: one line naming the file, the line (JSON lines) or row
-(JSON array, Parquet), counted from 1, and what is wrong. A row found wrong later (a character the policy's tokenizer
+Files are read one row at a time (a JSON array one item at a time): a row of more than MAX_ROW_BYTES (4 MiB) is
+refused before it is parsed. Anything else wrong with a row is a `PromptsError`: one line naming the file, the line
+(text, JSON lines) or row (JSON array, Parquet), counted from 1, and what is wrong (JSON nested too deeply included). A row found wrong later (a character the policy's tokenizer
 cannot encode) is named the same way by `where_is`, which reads the file again: rows carry no position.
 """
+import codecs
+import itertools
 import json
 import os
 import random
+import re
 
 ROLES = ("system", "user", "assistant")
+# The most bytes one row of a prompts file may hold (a line; an item of a JSON array): ~1M tokens, beyond any model's
+# context. Files are read a row at a time, so a longer row is refused after this much of it was read, not parsed whole.
+MAX_ROW_BYTES = 4 << 20
 
 
 class PromptsError(ValueError):
@@ -52,22 +59,62 @@ def _placed_rows(path) -> list[tuple[str, dict]]:
     extension = os.path.splitext(path)[1].lower()
     if extension == ".parquet":
         rows = [(f"{path}: row {n}", _checked(row, f"{path}: row {n}")) for n, row in enumerate(_parquet_rows(path), 1)]
-    else:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise PromptsError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-        if extension == ".json" and text.lstrip().startswith("["):
-            rows = _json_array_rows(path, text)
-        elif extension in (".json", ".jsonl"):
-            rows = _json_lines_rows(path, text)
-        else:
-            # a line is a prompt as written, blank lines skipped
-            rows = [(f"{path}:{n}", {"prompt": line}) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    elif extension == ".json" and _first_character(path) == "[":
+        rows = _json_array_rows(path)
+    elif extension in (".json", ".jsonl"):
+        rows = _json_lines_rows(path)
+    else:  # a line is a prompt as written, blank lines skipped
+        rows = [(f"{path}:{n}", {"prompt": line}) for n, line in _lines(path) if line.strip()]
     if not rows:
         raise PromptsError(f"{path}: holds no prompts")
     return rows
+
+
+def _lines(path):
+    """(line number from 1, text without its newline) of each line of a UTF-8 file, read one line at a time, so that
+    memory holds one row, never the file: a line longer than MAX_ROW_BYTES is a PromptsError naming it, raised after
+    reading MAX_ROW_BYTES + 2 bytes of it, before it is decoded or parsed. \\n, \\r\\n and \\r end a line."""
+    n, offset = 0, 0  # offset: the file's bytes before this line, to name a byte that is not UTF-8
+    with open(path, "rb") as f:
+        while line := f.readline(MAX_ROW_BYTES + 2):  # + 2: room for "\r\n" after a row of the most bytes
+            body = line.removesuffix(b"\n").removesuffix(b"\r")
+            if len(body) > MAX_ROW_BYTES:
+                raise PromptsError(f"{path}:{n + 1}: the line is longer than {MAX_ROW_BYTES >> 20} MiB, the most a "
+                                   f"prompts file's row may hold; nothing after its first MiBs was read")
+            try:  # the line with its newline, which shows a byte left incomplete as followed by a wrong one
+                text = line.decode("utf-8").removesuffix("\n").removesuffix("\r")
+            except UnicodeDecodeError as e:
+                raise PromptsError(f"{path}: not UTF-8 text (byte {offset + e.start}: {e.reason})") from None
+            for piece in text.split("\r"):  # a lone \r ends a line too, as in Python's text mode
+                n += 1
+                yield n, piece
+            offset += len(line)
+
+
+def _first_character(path) -> str:
+    """The file's first character that is not whitespace ("" for none), read a chunk at a time."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return chr(chunk.strip()[0])
+    return ""
+
+
+def _parse_json(text, where):
+    """json.loads(text), every way it can fail a PromptsError prefixed with `where`: a syntax error, nesting deeper
+    than Python's recursion limit (RecursionError), an integer of more digits than Python converts (ValueError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise PromptsError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise PromptsError(f"{where}: not valid JSON ({_first_line(e)})") from None
+
+
+def _first_line(error) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _parquet_rows(path) -> list[dict]:
@@ -80,18 +127,13 @@ def _parquet_rows(path) -> list[dict]:
     try:
         return pyarrow.parquet.read_table(path).to_pylist()
     except (pyarrow.ArrowException, OSError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PromptsError(f"{path}: cannot read as Parquet: {first_line}") from None
+        raise PromptsError(f"{path}: cannot read as Parquet: {_first_line(e)}") from None
 
 
-def _json_array_rows(path, text) -> list[tuple[str, dict]]:
+def _json_array_rows(path) -> list[tuple[str, dict]]:
     """Rows of a .json file holding one JSON array: of objects, or of strings (each a "prompt")."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PromptsError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     rows = []
-    for n, item in enumerate(items, 1):
+    for n, item in enumerate(_json_array_items(path), 1):
         if isinstance(item, str):
             item = {"prompt": item}
         elif not isinstance(item, dict):
@@ -100,21 +142,99 @@ def _json_array_rows(path, text) -> list[tuple[str, dict]]:
     return rows
 
 
-def _json_lines_rows(path, text) -> list[tuple[str, dict]]:
+def _json_array_items(path):
+    """The items of a JSON array file, decoded one at a time from a window of the file that holds the item being read
+    and at most MAX_ROW_BYTES after it (json.loads of the whole file would hold all of it and its objects at once).
+    An item longer than the window, or a syntax error, is a PromptsError naming the item or the line and column."""
+    decoder, reader = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
+    window, pos, eof, read = "", 0, False, 0  # read: bytes of the file decoded so far
+    lines_before, column_base = 0, 0  # the lines and the columns of the current line dropped from the window's front
+    with open(path, "rb") as f:
+        def fill():  # keep MAX_ROW_BYTES + 1 characters ahead of pos in the window, dropping what lies before pos
+            nonlocal window, pos, eof, read, lines_before, column_base
+            if eof or len(window) - pos > MAX_ROW_BYTES:
+                return
+            dropped, window, pos = window[:pos], window[pos:], 0
+            if "\n" in dropped:
+                lines_before, column_base = lines_before + dropped.count("\n"), len(dropped) - dropped.rfind("\n") - 1
+            else:
+                column_base += len(dropped)
+            while not eof and len(window) <= MAX_ROW_BYTES:  # in small chunks: the window is all memory holds
+                chunk = f.read(1 << 20)
+                try:
+                    window += reader.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    raise PromptsError(f"{path}: not UTF-8 text (byte {read + e.start}: {e.reason})") from None
+                read, eof = read + len(chunk), not chunk
+
+        def at(i) -> str:  # "line L column C" of window position i
+            line = window.count("\n", 0, i)
+            column = i - window.rfind("\n", 0, i) + (column_base if line == 0 else 0)
+            return f"line {lines_before + line + 1} column {column}"
+
+        def skip_space():
+            nonlocal pos
+            while True:
+                fill()
+                pos = _SPACE.match(window, pos).end()
+                if pos < len(window) or eof:
+                    return window[pos:pos + 1]
+
+        def syntax_error(what, i):
+            return PromptsError(f"{path}: not valid JSON ({what} at {at(i)})")
+
+        skip_space()
+        pos += 1  # the "[" (_placed_rows looked)
+        if skip_space() == "]":
+            pos += 1
+        else:
+            for n in itertools.count(1):
+                skip_space()
+                try:
+                    item, end = decoder.raw_decode(window, pos)
+                except json.JSONDecodeError as e:
+                    # a window that cuts an item fails at its end (a string left open: at the string's start)
+                    cut = e.pos >= len(window) - len("\\u0000") or e.msg.startswith("Unterminated string")
+                    if cut and not eof:
+                        raise PromptsError(f"{path}: row {n} is not valid JSON within its first {MAX_ROW_BYTES >> 20} "
+                                           f"MiB, the most a prompts file's row may hold") from None
+                    raise syntax_error(e.msg, e.pos) from None
+                except RecursionError:
+                    raise PromptsError(f"{path}: row {n}: not valid JSON (nested too deeply)") from None
+                except ValueError as e:
+                    raise PromptsError(f"{path}: row {n}: not valid JSON ({_first_line(e)})") from None
+                if end - pos > MAX_ROW_BYTES:
+                    raise PromptsError(f"{path}: row {n} is longer than {MAX_ROW_BYTES >> 20} MiB, the most a "
+                                       f"prompts file's row may hold")
+                pos = end
+                yield item
+                separator = skip_space()
+                if separator == "]":
+                    pos += 1
+                    break
+                if separator != ",":
+                    raise syntax_error("Expecting ',' delimiter", pos)
+                pos += 1
+        if skip_space():
+            raise syntax_error("Extra data", pos)
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+def _json_lines_rows(path) -> list[tuple[str, dict]]:
     """Rows of a JSON-lines file: one object per non-blank line; errors name the line, counted from 1."""
     rows = []
-    # split at "\n" only (the reader already turned \r\n and \r into \n): str.splitlines would also split
-    # at characters JSON strings may hold raw, such as U+2028
-    for n, line in enumerate(text.split("\n"), 1):
+    for n, line in _lines(path):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            if not rows and _is_one_json_object(text):  # a pretty-printed object, not one object per line
+            item = _parse_json(line, f"{path}:{n}")
+        except PromptsError:
+            if not rows and _is_one_json_object(path):  # a pretty-printed object, not one object per line
                 raise PromptsError(f"{path}: holds one JSON object; expected one object per line "
                                    f"or a JSON array of objects") from None
-            raise PromptsError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise
         if not isinstance(item, dict):
             raise PromptsError(f"{path}:{n}: expected a JSON object with a \"prompt\" or \"messages\" field, "
                                f"got {_json_type(item)}")
@@ -122,10 +242,14 @@ def _json_lines_rows(path, text) -> list[tuple[str, dict]]:
     return rows
 
 
-def _is_one_json_object(text) -> bool:
+def _is_one_json_object(path) -> bool:
+    """Whether the file, no longer than one row may be, is one JSON object (read whole: it is that small)."""
+    if os.path.getsize(path) > MAX_ROW_BYTES:
+        return False
     try:
-        return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
+        with open(path, encoding="utf-8") as f:
+            return isinstance(json.loads(f.read()), dict)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return False
 
 

@@ -10,6 +10,7 @@ its module where two functions share a name ("a.score", "b.score").
 import importlib
 import importlib.util
 import os
+import traceback
 
 import torch
 
@@ -19,24 +20,49 @@ from .tasks import arith_rewards, reverse_rewards
 TASK_REWARDS = {"reverse": reverse_rewards, "arith": arith_rewards}
 
 
-def import_callable(spec: str):
-    """'package.module:function' -> the function (the module may also be a path to a .py file)."""
+def import_callable(spec: str, key: str = "reward_fn"):
+    """'package.module:function' -> the function (the module may also be a path to a .py file); `key` is the config
+    key the spec came from, for the message.
+
+    A user's file that does not import (a SyntaxError, an ImportError, any exception its top level raises) or lacks
+    the name is a RewardError of one line naming the spec and the error, with `raised_at` ("FILE:LINE", where the file
+    failed) and `traceback` (the full one), which ppo-train adds to its line and writes to DIR/error.log
+    (ppo_core.runlog.log_error), as for a reward function that raises while scoring."""
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
             loader_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
             if loader_spec is None or not os.path.isfile(module_name):
-                raise ModuleNotFoundError(f"no file {module_name}")
+                raise RewardError(f"cannot load {key} '{spec}': no file {module_name}")
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-        fn = getattr(module, attr)
-    except (ImportError, AttributeError) as e:
-        raise RewardError(f"cannot load reward_fn '{spec}': {e}") from None
+    except RewardError:
+        raise
+    except (Exception, SystemExit) as e:  # whatever the file's top level raises (SystemExit: a script's sys.exit())
+        what = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
+        error = RewardError(f"cannot load {key} '{spec}': {what}")
+        error.raised_at, error.traceback = _import_failed_at(e), "".join(traceback.format_exception(e))
+        raise error from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise RewardError(f"cannot load {key} '{spec}': {getattr(module, '__file__', module_name)} has no '{attr}' "
+                          f"(it defines: {', '.join(defined) or 'nothing callable'})")
     if not callable(fn):
-        raise RewardError(f"reward_fn '{spec}' is not callable")
+        raise RewardError(f"{key} '{spec}' is not callable")
     return fn
+
+
+def _import_failed_at(error: BaseException):
+    """"FILE:LINE" where an import failed: a SyntaxError's own position, else the innermost frame outside Python's
+    import machinery (the user's file, or a library it imported); None when there is none."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{error.filename}:{error.lineno}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(("<frozen", os.path.dirname(importlib.__file__))) and f.filename != __file__]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 def metric_names(specs: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """ppo-serve-reward: any reward source of ppo-core served over HTTP, so a reward model can live on its own machine.
 
+    export PPO_REWARD_API_KEY=$(python -c "import secrets; print(secrets.token_urlsafe(32))")   # both sides
     ppo-serve-reward --host 0.0.0.0 --port 8000 --reward_model ~/models/skywork-rm --dtype bfloat16
     ppo-serve-reward --port 8000 --reward_fn my_rewards.py:score --max_batch 512
     ppo-train --reward_url http://rm-host:8000 ...           # the trainer's side: ppo_core.remote_reward
@@ -7,9 +8,25 @@
 The reward source is chosen with ppo-train's own options and config file (--config FILE.toml, --task, --reward_fn,
 --reward_weights, --reward_model, --chat_template, --enable_thinking, --device, --dtype, --threads; every other key
 of the config is accepted and unused, so a run's TOML file serves as it is). The server's own options: --host
-(default 127.0.0.1), --port (default 8000; 0 = a free port), --max_batch (default 256). When it is ready it prints
-one line on stdout, `serving <source> on http://HOST:PORT` (the port it got, with --port 0). An error at start-up
-(an unknown key, a checkpoint that does not load, a port taken) is one line on stderr and exit status 2.
+(default 127.0.0.1), --port (default 8000; 0 = a free port), --max_batch (default 256), and the limits below. When
+it is ready it prints one line on stdout, `serving <source> on http://HOST:PORT` (the port it got, with --port 0). An
+error at start-up (an unknown key, a checkpoint that does not load, a port taken) is one line on stderr and exit
+status 2.
+
+Who may score, and how much (anyone who reaches the port could otherwise score on your GPU, or hold it):
+    --api_key KEY        (default: the environment variable PPO_REWARD_API_KEY, which keeps it out of `ps`) every
+                         request must carry `Authorization: Bearer KEY` (or HTTP Basic with KEY as the password: a
+                         http://user:KEY@host URL), else 401; compared in constant time. ppo-train sends
+                         $PPO_REWARD_API_KEY. Empty = no key; listening on anything but loopback without one prints a
+                         warning line.
+    --max_body_mb 128    a request whose Content-Length is larger is 413, its body never read; a missing Content-Length
+                         is 411, a negative or non-integer one 400.
+    --max_rows 16384     a request of more rows is 413 (it would hold the scorer, and every request behind it).
+    --timeout_s 60       a connection must deliver each request, line, headers and body, within this many seconds of
+                         the request's start (or of the previous answer on a kept-alive connection), else it is closed
+                         (408 when the body was late).
+    --max_connections 32 connections handled at once, one thread each; one more is answered 503 and closed (the client
+                         tries again), so no number of connections can pile up threads.
 
 The protocol: OpenRLHF's remote reward protocol (`--remote_rm_url`, openrlhf/utils/remote_rm_utils.py: JSON POSTed,
 {"query", "prompts", "labels"} in, {"rewards", "scores", "extra_logs"} out), JSON over HTTP and nothing else.
@@ -32,10 +49,13 @@ The answer, HTTP 200:
     ("reward/<fn>", "reward/<fn>/<metric>") and text entries (a judge's "judge/rationale") as lists of strings.
     Numbers are the float32 scores written as JSON doubles: the trainer reads back exactly the in-process values.
 Errors, each a JSON object {"error": "<one line>"}; the server keeps serving:
-    400  not JSON, not an object, a missing or malformed field, lists of different lengths, a column the reward
-         needs and the request lacks;
-    500  the reward source failed on the request: {"error": "<the RewardError line>", "reward_error": true}.
-GET /health -> 200 {"status": "ok", "source": "<what scores>", "requests": n, "batches": m, "rows": r}: requests
+    400  not JSON (nested too deeply or a number too long to read included), not an object, a missing or malformed
+         field, lists of different lengths, a column the reward needs and the request lacks, a bad Content-Length;
+    401  no key, or the wrong one; 408  the body came too slowly; 411  no Content-Length;
+    413  over --max_body_mb or --max_rows; 503  over --max_connections;
+    500  the reward source failed on the request, or returned a score that is not finite:
+         {"error": "<the RewardError line>", "reward_error": true}.
+GET /health (+ key) -> 200 {"status": "ok", "source": "<what scores>", "requests": n, "batches": m, "rows": r}: requests
 answered, calls of the source, rows scored, since start.
 
 Batching: request threads queue their rows; one scoring thread (a reward model is not thread-safe, and one call
@@ -44,12 +64,18 @@ max_batch rows and share the same column names, and scores them in ONE call of t
 own rows back. A request larger than max_batch is scored alone. When a merged call fails, each of its requests is
 scored alone, so a bad request cannot fail the others.
 """
+import base64
 import collections
 import contextlib
+import hmac
+import io
+import ipaddress
 import json
 import math
+import os
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -57,32 +83,45 @@ import torch
 from .config import ConfigError, build_config, load_toml, parse_cli
 from .model import CheckpointError
 from .precision import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
+from .remote_reward import API_KEY_ENV, DeadlineReader
 from .reward_source import make_reward_source
 from .rewards import RewardError
 
-USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--config FILE.toml] [--KEY=VALUE ...]
+USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--api_key KEY] [--max_body_mb M]
+                        [--max_rows R] [--timeout_s S] [--max_connections C] [--config FILE.toml] [--KEY=VALUE ...]
 
 Serves the reward source that ppo-train would build from the same options (--task, --reward_fn, --reward_model, ...)
 over HTTP, with OpenRLHF's remote reward protocol (see ppo_core/reward_server.py). Point ppo-train at it with
 --reward_url http://H:P."""
-SERVER_OPTIONS = {"host": "127.0.0.1", "port": "8000", "max_batch": "256"}
+# the server's own options, as text (the defaults: the module docstring); api_key defaults to $PPO_REWARD_API_KEY
+SERVER_OPTIONS = {"host": "127.0.0.1", "port": "8000", "max_batch": "256", "api_key": None, "max_body_mb": "128",
+                  "max_rows": "16384", "timeout_s": "60", "max_connections": "32"}
 
 
 class BadRequest(ValueError):
-    """A request the protocol does not accept (HTTP 400)."""
+    """A request the protocol does not accept: HTTP `status` (400 unless said)."""
+
+    def __init__(self, message, status=400):
+        super().__init__(message)
+        self.status = status
 
 
-def parse_request(body: bytes):
-    """A request body -> (prompts [B str], responses [B str], columns {name: [B values]}). Raises BadRequest."""
+def parse_request(body: bytes, max_rows=None):
+    """A request body -> (prompts [B str], responses [B str], columns {name: [B values]}). Raises BadRequest (413
+    for more than max_rows rows)."""
     try:
         request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a number over 4300 digits, nested too deeply
+        reason = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:200]
+        raise BadRequest(f"the request body is not JSON: {reason}") from None
     if not isinstance(request, dict):
         raise BadRequest(f"the request must be a JSON object with \"prompts\" and \"responses\" (or \"query\"), "
                          f"got {type(request).__name__}")
     prompts = _strings(request, "prompts", None)
     B = len(prompts)
+    if max_rows is not None and B > max_rows:
+        raise BadRequest(f"the request holds {B} rows, more than this server's --max_rows {max_rows}: send smaller "
+                         f"requests (more URLs, or a smaller batch)", 413)
     if "responses" in request:
         responses = _strings(request, "responses", B)
     elif "query" in request:  # OpenRLHF: the query is the prompt followed by the response
@@ -132,7 +171,11 @@ def as_lists(scores, metrics, B):
         if not all(isinstance(v, str) or math.isfinite(v) for v in values):  # JSON has no NaN
             raise RewardError(f"the reward source's metric '{name}' holds a value that is not finite")
         out[name] = values
-    return [float(s) for s in scores.tolist()], out
+    scores = [float(s) for s in scores.tolist()]
+    for i, score in enumerate(scores):
+        if not math.isfinite(score):  # JSON has no NaN: the trainer would refuse it anyway, so name it here
+            raise RewardError(f"the reward source returned {score} for sample {i}: expected a finite number")
+    return scores, out
 
 
 class Job:
@@ -216,27 +259,135 @@ def describe(cfg) -> str:
     return f"the reward of task '{cfg.task}'"
 
 
+BUSY_BODY = b'{"error": "the reward server is at its --max_connections; try again"}'
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(BUSY_BODY), BUSY_BODY))
+
+
 class Server(ThreadingHTTPServer):
+    """One thread per connection, at most max_connections of them: one more is answered 503 at once and closed."""
     daemon_threads = True  # a request thread never holds the process up at exit
     request_queue_size = 128  # the listen backlog: many trainer processes may post at the same moment
 
+    def __init__(self, address, handler, max_connections=32):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
 
-def make_handler(source, batcher, name):
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)  # the accepting thread never waits on a client: a short answer or none
+                request.send(BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: give its slot back
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address):  # one line, not a traceback: a client hung up or misbehaved
+        error = sys.exc_info()[1]
+        if not isinstance(error, (ConnectionError, TimeoutError)):
+            print(f"ppo-serve-reward: a request from {client_address[0]} failed: {type(error).__name__}: {error}",
+                  file=sys.stderr)
+
+
+def authorized(header, api_key) -> bool:
+    """Whether an Authorization header carries api_key: 'Bearer KEY', or HTTP Basic with KEY as the password (a
+    http://user:KEY@host URL). Compared in constant time (hmac.compare_digest), so its bytes cannot be timed out."""
+    if not api_key:
+        return True
+    scheme, _, value = (header or "").strip().partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            value = base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except ValueError:  # not base64 (binascii.Error), not UTF-8
+            value = ""
+    elif scheme.lower() != "bearer":
+        value = ""
+    return hmac.compare_digest(value.strip().encode(), api_key.encode())
+
+
+def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, max_rows=16384, timeout_s=60.0):
+    """The request handler: the limits of the module docstring, checked from the headers before a body is read."""
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one connection
 
+        def setup(self):
+            super().setup()
+            # every read of a request (its line, headers and body) against one deadline, set per request below
+            self.reader = DeadlineReader(self.connection, time.monotonic() + timeout_s)
+            self.socket_file, self.rfile = self.rfile, io.BufferedReader(self.reader)
+
+        def finish(self):
+            super().finish()
+            self.socket_file.close()
+
+        def handle_one_request(self):
+            self.reader.deadline = time.monotonic() + timeout_s
+            super().handle_one_request()
+
+        def handle_expect_100(self):  # refuse from the headers before the client sends a body ("Expect: 100-continue")
+            refusal = self._refusal()
+            if refusal:
+                self._reply(*refusal)
+                return False
+            return super().handle_expect_100()
+
+        def _refusal(self):
+            """(status, {"error": ...}) when the headers alone refuse the request (its key, its length), else None."""
+            if not authorized(self.headers.get("Authorization"), api_key):
+                return 401, {"error": f"this reward server needs its API key: send Authorization: Bearer KEY "
+                                      f"(ppo-train sends ${API_KEY_ENV})"}
+            if self.command != "POST":
+                return None
+            text = self.headers.get("Content-Length")
+            if text is None:
+                return 411, {"error": "a request needs a Content-Length"}
+            if not text.strip().isdigit():
+                return 400, {"error": f"Content-Length must be a non-negative integer, got {text[:40]!r}"}
+            if int(text) > max_body_bytes:
+                return 413, {"error": f"the request holds {int(text)} bytes, more than this server's --max_body_mb "
+                                      f"{max_body_bytes / 2**20:g}: send smaller requests (more URLs, or a smaller "
+                                      f"batch)"}
+            return None
+
         def do_GET(self):
-            if self.path.rstrip("/") == "/health":
+            refusal = self._refusal()
+            if refusal:
+                self._reply(*refusal)
+            elif self.path.rstrip("/") == "/health":
                 self._reply(200, {"status": "ok", "source": name, **batcher.counts})
             else:
                 self._reply(404, {"error": f"GET {self.path}: not found (POST a request to score, GET /health)"})
 
         def do_POST(self):
+            refusal = self._refusal()
+            if refusal:  # the body is left unread, so the connection cannot carry another request
+                self._reply(*refusal)
+                return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                prompts, responses, columns = parse_request(self.rfile.read(length))
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+            except TimeoutError:
+                self._reply(408, {"error": f"the request's body did not arrive within --timeout_s {timeout_s:g}"})
+                return
+            try:
+                prompts, responses, columns = parse_request(body, max_rows)
                 source.check_columns(list(columns))
-            except (BadRequest, RewardError, ValueError) as e:
+            except BadRequest as e:
+                self._reply(e.status, {"error": " ".join(str(e).split())})
+                return
+            except (RewardError, ValueError) as e:
                 self._reply(400, {"error": " ".join(str(e).split())})
                 return
             try:
@@ -247,10 +398,21 @@ def make_handler(source, batcher, name):
             self._reply(200, {"rewards": scores, "scores": scores, "extra_logs": metrics})
 
         def _reply(self, status, obj):
-            body = json.dumps(obj, allow_nan=False).encode()
+            try:
+                body = json.dumps(obj, allow_nan=False).encode()
+            except (TypeError, ValueError) as e:  # what the source gave cannot be JSON: that is the answer
+                status, body = 500, json.dumps({"error": f"the reward source's answer cannot be written as JSON: {e}",
+                                                "reward_error": True}).encode()
+            if status in (401, 408, 411, 413) or status == 400 and self.command == "POST":
+                self.close_connection = True  # a body may be left unread: this connection cannot carry another request
+            self.connection.settimeout(timeout_s)  # the whole answer's send (Python >= 3.5: a total, not per send)
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if status == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 
@@ -260,8 +422,9 @@ def make_handler(source, batcher, name):
     return Handler
 
 
-def split_server_options(argv):
-    """(the server's own options {host, port, max_batch}, the rest of argv for config.parse_cli)."""
+def split_server_options(argv, environ=os.environ):
+    """(the server's own options {host, port, max_batch, api_key, max_body_mb, max_rows, timeout_s, max_connections},
+    the rest of argv for config.parse_cli)."""
     own, rest, i = dict(SERVER_OPTIONS), [], 0
     while i < len(argv):
         key, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
@@ -275,13 +438,39 @@ def split_server_options(argv):
         else:
             rest.append(argv[i])
         i += 1
+    api_key = own["api_key"] if own["api_key"] is not None else environ.get(API_KEY_ENV, "")
+    options = {"host": own["host"], "api_key": api_key}
+    for key, kind, ok, rule in [("port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]"),
+                                ("max_batch", int, lambda v: v >= 1, ">= 1"),
+                                ("max_body_mb", float, lambda v: 0 < v < math.inf, "> 0"),
+                                ("max_rows", int, lambda v: v >= 1, ">= 1"),
+                                ("timeout_s", float, lambda v: 0 < v < math.inf, "> 0"),
+                                ("max_connections", int, lambda v: v >= 1, ">= 1")]:
+        try:
+            options[key] = kind(own[key])
+        except ValueError:
+            kind_name = "an integer" if kind is int else "a number"
+            raise ConfigError(f"--{key} takes {kind_name}, got {own[key]!r}") from None
+        if not ok(options[key]):
+            raise ConfigError(f"--{key} must be {rule}, got {own[key]}")
+    return options, rest
+
+
+def is_loopback(host) -> bool:
+    if host == "localhost":
+        return True
     try:
-        port, max_batch = int(own["port"]), int(own["max_batch"])
-    except ValueError:
-        raise ConfigError(f"--port and --max_batch take integers, got {own['port']!r} and {own['max_batch']!r}") from None
-    if not 0 <= port < 65536 or max_batch < 1:
-        raise ConfigError(f"--port must be in [0, 65535] and --max_batch >= 1, got {port} and {max_batch}")
-    return {"host": own["host"], "port": port, "max_batch": max_batch}, rest
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or "" (every interface)
+        return False
+
+
+def make_server(source, name, options, autocast=contextlib.nullcontext):
+    """The server (not yet serving) of a reward source under the options of split_server_options."""
+    batcher = Batcher(source, options["max_batch"], autocast)
+    handler = make_handler(source, batcher, name, options["api_key"], int(options["max_body_mb"] * 2**20),
+                           options["max_rows"], options["timeout_s"])
+    return Server((options["host"], options["port"]), handler, options["max_connections"])
 
 
 def main(argv=None):
@@ -302,11 +491,9 @@ def main(argv=None):
             torch.set_num_threads(cfg.threads)
         precision = resolve_precision(cfg)
         source = make_reward_source(cfg, torch.device(precision.device), precision.param_dtype)
-        batcher = Batcher(source, server_options["max_batch"], precision.autocast)
         name = describe(cfg)
         try:
-            server = Server((server_options["host"], server_options["port"]),
-                                         make_handler(source, batcher, name))
+            server = make_server(source, name, server_options, precision.autocast)
         except OSError as e:
             raise ConfigError(f"cannot listen on {server_options['host']}:{server_options['port']}: {e.strerror or e}") from None
     except (ConfigError, CheckpointError, RewardError, FileNotFoundError) as e:
@@ -314,6 +501,10 @@ def main(argv=None):
         return 2
     host, port = server.server_address[:2]
     print(f"precision: {precision_line(precision)}", file=sys.stderr, flush=True)
+    if not server_options["api_key"] and not is_loopback(server_options["host"]):
+        where = server_options["host"] or "every interface"
+        print(f"ppo-serve-reward: warning: listening on {where} without an API key: anyone who reaches port {port} "
+              f"can score; set {API_KEY_ENV} (or --api_key)", file=sys.stderr, flush=True)
     print(f"serving {name} on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()

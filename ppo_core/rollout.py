@@ -139,7 +139,7 @@ def prompt_token_ids(tokenizer, prompt, cfg):
     writes any BOS itself); a plain prompt otherwise gets what the tokenizer's post-processor adds (a BOS for
     Llama-family checkpoints), as transformers' tokenizer(text) does."""
     if cfg is not None and cfg.environment:  # an episode's first messages, as its environment gives them (any row)
-        build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns)
+        build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns, cfg.max_tool_calls_per_turn)
         row = prompt if isinstance(prompt, dict) else {"prompt": prompt}
         return tokenizer.encode(render(tokenizer, list(build().reset(row)), tools, **episode_template_kwargs(cfg)))
     if isinstance(prompt, dict) and "messages" in prompt:
@@ -346,7 +346,7 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     Metrics per row: env/turns, env/observation_tokens and, where the environment counts them (ToolEnvironment),
     env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its tools ran: the sandbox's for
     Python); samples.jsonl gets each conversation turn by turn."""
-    build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns)
+    build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns, cfg.max_tool_calls_per_turn)
     device = next(policy.parameters()).device
     t0 = time.perf_counter()
     envs = [build() for _ in prompt_rows]
@@ -374,7 +374,7 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     scores = torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
     metrics = {"env/turns": [e.turns for e in episodes],
                "env/observation_tokens": [e.observation_tokens for e in episodes]}
-    for key in ("tool_calls", "malformed_calls", "tool_errors", "tool_s"):
+    for key in ("tool_calls", "malformed_calls", "tool_errors", "calls_not_run", "tool_s"):
         if all(hasattr(env, "counts") for env in envs):
             metrics[f"env/{key}"] = [env.counts.get(key, 0) for env in envs]
     metrics = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}

@@ -4,8 +4,8 @@
     DIR/metrics.jsonl      one JSON object per iteration
     DIR/summary.json       evaluation before/after, final KL
     DIR/checkpoints/step-N the policy (and tokenizer) in the Hugging Face layout
-    DIR/error.log          when a reward function of the user's raised: the time, the error line and the full
-                           traceback, one entry per failed attempt (log_error)
+    DIR/error.log          when a reward function or environment of the user's raised, or its file did not import:
+                           the time, the error line and the full traceback, one entry per failed attempt (log_error)
 
 Without --out, DIR is runs/<policy directory's name>-<task>-<date>-<time> (see default_run_path).
 Only rank 0 writes; every helper here is a no-op on the other ranks, so the loop never says
@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,23 @@ def _versions():
     except ImportError:
         versions["triton"] = None
     return versions
+
+
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")  # a URL inside a word: --reward_url=http://...
+
+
+def redact_secrets(value):
+    """A config value, command-line word, or a list or dict of them, with every URL's credentials (user:password@,
+    the values of key=, token=, api_key=, ...) replaced by *** (remote_reward.redact_url): what a run directory and a
+    tracker may keep. A resume takes the credential again from the command line or the environment, never from here."""
+    from .remote_reward import redact_url  # here, not at the top: the reward client's imports are not the log's
+    if isinstance(value, str):
+        return URL_IN_TEXT.sub(lambda m: redact_url(m.group()), value) if "://" in value else value
+    if isinstance(value, (list, tuple)):
+        return [redact_secrets(v) for v in value]
+    if isinstance(value, dict):
+        return {k: redact_secrets(v) for k, v in value.items()}
+    return value
 
 
 def write_json(path, obj):
@@ -200,7 +218,7 @@ class RunDir:
             path = resume_from or cfg.out
         else:
             path = default_run_path(cfg, policy_path, _start_time())
-        resolved = to_dict(cfg)
+        resolved = redact_secrets(to_dict(cfg))  # reward_url's credentials are never written
         resolved["policy"] = policy_path
         resolved["out"] = path
         cfg_file = os.path.join(path, "config.json")
@@ -239,7 +257,7 @@ class RunDir:
                 **({"precision": precision} if precision else {}),
                 "versions": _versions(),
                 "git_commit": _git_commit(),
-                "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
+                "command": redact_secrets([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
             })
             if replaced and os.path.exists(os.path.join(path, "metrics.jsonl")):
@@ -272,29 +290,76 @@ class RunDir:
             write_json(os.path.join(self.path, "summary.json"), summary)
 
 
-class StopSignals:
-    """While active, SIGTERM and SIGINT only set `requested`; the loop saves and stops at the end of
-    the iteration in flight (a second signal of the same kind stops at once)."""
+class IterationAbandoned(BaseException):
+    """A second SIGTERM / SIGINT, or stop_grace_s after the first, ended the iteration in flight (StopSignals). A
+    BaseException, as KeyboardInterrupt is: no `except Exception` on the way (a reward function's wrapper) may take
+    it for an error of the code it interrupted."""
 
-    def __init__(self):
-        self.requested = None
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `requested`; the loop saves a checkpoint and stops at the end of the
+    iteration in flight (exit status 143). The iteration is abandoned instead, its work lost and the last checkpoint
+    left as it is, when a second SIGTERM or SIGINT comes, or `grace_s` seconds (config stop_grace_s; 0: no limit)
+    after the first: IterationAbandoned is raised in the loop where it is, but only between work_starts() and work_ends(), the
+    iteration's work (rollout, update, evaluation), which writes nothing to the run directory. Arriving anywhere else
+    (its metrics line, its samples, a checkpoint save), it waits for that to finish and the run stops there, as after
+    one signal: nothing is ever half-written.
+
+    What a scheduler's pre-emption gets: SIGTERM, then SIGKILL after its grace period (Slurm's KillWait and Kubernetes'
+    terminationGracePeriodSeconds default to 30 s, `docker stop` 10 s, `timeout` never unless given -k). The run stops
+    at the end of the iteration in flight if it ends within stop_grace_s, with a checkpoint of it; else it is abandoned
+    then, exit 143 with the line of StopRequested. A SIGKILL that comes first still leaves the last checkpoint
+    intact (saves are atomic: ppo_core.checkpoint), only without that line. With several processes each abandons on
+    its own signal; one blocked in a collective waits for it (or for the SIGKILL)."""
+
+    def __init__(self, grace_s: float = 0.0):
+        self.requested = None  # the first signal's name
+        self.abandon = None  # why the iteration in flight is to be abandoned, once it is
+        self.grace_s = grace_s
+        self._abandonable = False
+        self.iteration = None
         self._previous = {}
 
     def __enter__(self):
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.requested == name:
-            raise KeyboardInterrupt
-        self.requested = name
+        if signum == signal.SIGALRM:  # stop_grace_s after the first signal
+            self._abandon(f"received {self.requested} {self.grace_s:g} s ago (stop_grace_s)")
+        elif self.requested is None:
+            self.requested = name
+            if self.grace_s > 0:
+                signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+        else:
+            self._abandon(f"received {self.requested}, then {name}")
+
+    def _abandon(self, why):
+        self.abandon = why
+        if self._abandonable:
+            self._abandonable = False  # raised once
+            raise IterationAbandoned(why)
+
+    def work_starts(self, iteration):
+        """Iteration `iteration`'s work (rollout, update, evaluation) begins: a second signal, or the grace period, may
+        end it from here on with IterationAbandoned."""
+        self.iteration = iteration
+        if self.abandon:
+            raise IterationAbandoned(self.abandon)
+        self._abandonable = True
+
+    def work_ends(self):
+        """What follows (metrics, samples, a checkpoint) is written whole: a second signal now waits for it."""
+        self._abandonable = False
 
     def __exit__(self, *exc):
+        if signal.SIGALRM in self._previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
@@ -305,18 +370,22 @@ class StopSignals:
 _open_run_dir = None
 
 
-def log_error(error: BaseException) -> str:
+def log_error(error: BaseException, run_path=None) -> str:
     """The error's one line for the user, after the full traceback it may carry (`error.traceback`, set by
-    ppo_core.rewards when a reward function raised) went to DIR/error.log of the run whose Logger is open (appended,
-    after the time and the line; earlier entries are kept). The line is str(error), then, for a reward function that
-    raised, "; raised at FILE:LINE in FUNCTION" (`error.raised_at`) and "; full traceback in DIR/error.log"."""
+    ppo_core.rewards when a reward function raised, and by reward_functions.import_callable when a user's file did not
+    import) went to DIR/error.log (appended, after the time and the line; earlier entries are kept). DIR: the run
+    directory of the Logger open, else `run_path`, the directory the run would have written (created for it: an error
+    found before the run directory was opened). The line is str(error), then "; raised at FILE:LINE[ in FUNCTION]"
+    (`error.raised_at`) and "; full traceback in DIR/error.log"."""
     global _open_run_dir
     line = str(error)
     if getattr(error, "raised_at", None):
         line += f"; raised at {error.raised_at}"
     details = getattr(error, "traceback", None)
-    if details and _open_run_dir is not None and is_rank0():
-        path = os.path.join(_open_run_dir, "error.log")
+    run_path = _open_run_dir or run_path
+    if details and run_path is not None and is_rank0():
+        path = os.path.join(run_path, "error.log")
+        os.makedirs(run_path, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"--- {datetime.datetime.now().isoformat(timespec='seconds')}\nppo-train: error: {line}\n\n{details}\n")
         line += f"; full traceback in {path}"

@@ -15,23 +15,30 @@ program printed before a timeout reaches the result. The interpreter is the syst
 /usr/bin, /bin), else the trainer's own: the first that works in the sandbox, as found by running `pass` in it.
 
 What the local backend does, in this order (`_sandbox_init` below is the part that runs inside):
-  1. `unshare --net --pid --fork --kill-child --mount-proc --ipc --uts` makes new namespaces. Network: only a
+  1. Where the machine lets this process make one (see "Memory" below), a memory cgroup for the call, limited to
+     memory_mb: the sandbox's first process joins it before anything else, so everything the call starts counts.
+  2. `unshare --net --pid --fork --kill-child --mount-proc --ipc --uts` makes new namespaces. Network: only a
      loopback that is down, so nothing connects anywhere, not even to 127.0.0.1. PID: the program is PID 1 of its
      own namespace; when it dies the kernel kills every process left in the namespace (a fork bomb, a daemonised
      child), and it sees and can signal no process outside it. Mount: the changes below are the child's alone.
-  2. The whole mount tree is made read-only (and nosuid), recursively (mount_setattr(2), Linux 5.12+). On top:
-     a private tmpfs of WORKDIR_MB on /tmp, the working directory (HOME and TMPDIR too), gone with the namespace;
-     another on /dev/shm; an empty read-only tmpfs over the trainer's home directory, where credentials live
-     (~/.cache/huggingface/token, ~/.netrc, ~/.modal.toml), unless the interpreter itself lives there.
-  3. Privileges: the capability bounding set emptied, no_new_privs (setuid binaries gain nothing), and, as root, a
+  3. The whole mount tree is made read-only, nosuid and nodev, recursively (mount_setattr(2), Linux 5.12+): no
+     device node of the machine can be opened from any mount (a world-writable /dev/nvidia* on a GPU machine,
+     /dev/kmsg). On top: a new /dev, an empty read-only tmpfs with bind mounts of DEVICES (null, zero, full,
+     random, urandom: the only mounts without nodev), the fd/stdin/stdout/stderr links and a private /dev/shm; a
+     private tmpfs of WORKDIR_MB on /tmp, the working directory (HOME and TMPDIR too), gone with the namespace; an
+     empty read-only tmpfs over the trainer's home directory, where credentials live (~/.cache/huggingface/token,
+     ~/.netrc, ~/.modal.toml), over its working directory (run directories) and over the checkout ppo_core is
+     imported from (the repository), each unless the interpreter itself lives there.
+  4. Privileges: the capability bounding set emptied, no_new_privs (setuid binaries gain nothing), and, as root, a
      switch to a uid of its own for this one call (SANDBOX_UID_BASE + n): so it can read only world-readable files,
      and RLIMIT_NPROC, which the kernel never applies to root, holds (a uid per call: concurrent calls do not share
      the count). The parent-death signal is set again afterwards (a uid change clears it): if the launcher dies,
      the program dies.
-  4. rlimits: CPU seconds (timeout + 1), address space (memory_mb, per process), MAX_PROCESSES processes and
-     threads, FILE_SIZE_MB per file, MAX_OPEN_FILES, no core files.
-  5. The environment is built from scratch (CHILD_ENV): nothing of the trainer's (HF_TOKEN, WANDB_API_KEY, ...).
-  6. On the host: a wall-clock deadline from launch; past it the process group (unshare and the program) gets
+  5. rlimits: CPU seconds (timeout + 1), address space (memory_mb, per process: a single process past it gets a
+     MemoryError, which the policy can read), MAX_PROCESSES processes and threads, FILE_SIZE_MB per file,
+     MAX_OPEN_FILES, no core files.
+  6. The environment is built from scratch (CHILD_ENV): nothing of the trainer's (HF_TOKEN, WANDB_API_KEY, ...).
+  7. On the host: a wall-clock deadline from launch; past it the process group (unshare and the program) gets
      SIGKILL, and through --kill-child and the PID namespace so does everything it started. stdout and stderr are
      read as they come: the first OUTPUT_LIMIT_BYTES of each are kept, the rest drained and counted; a stream past
      OUTPUT_KILL_BYTES ends the run (no answer needs 16 MiB, and draining more only spends the trainer's CPU).
@@ -44,12 +51,24 @@ tried in this order:
   - otherwise, where unprivileged user namespaces are allowed: the same inside a user namespace
     (`unshare --user --map-root-user ...`), where the program is the trainer's own user, without capabilities;
   - neither: "none: <why>", and run_code raises SandboxUnavailable. There is no unisolated mode.
+Each is tried with the memory cgroup first, then without it (where joining one fails); the description says which.
+
+Memory: the bound on a call as a whole is memory_mb only where it runs in a cgroup. The first of these in which
+this process can make a group and write its limit is used (probed once; memory_bound_per_call() and
+NETWORK_ISOLATION say which): under its own cgroup v2 (a delegated subtree, or the root of the hierarchy with the
+memory controller enabled for its children), beside it (its parent's children have the controller: a systemd scope
+as root), or under its own group of the cgroup v1 memory controller. Swap is held to the same bound where the kernel
+counts it. Past the bound the kernel kills the call's largest process, and the result's error says so. Without a
+cgroup (an unprivileged trainer without a delegated subtree, a container whose cgroup is read-only), RLIMIT_AS is
+the only bound and it is per process: a call can hold up to MAX_PROCESSES x memory_mb (32 x 512 MB = 16 GB by
+default) plus 2 x WORKDIR_MB of tmpfs (/tmp, /dev/shm); on such a machine run the trainer where that much is
+affordable, or use the modal backend, whose memory limit covers the container.
 
 What this does NOT protect against:
-  - reading what is world-readable (the repository, /etc, model weights, /proc and /sys); as the fallback user
-    namespace, everything the trainer's user can read outside its (hidden) home directory;
+  - reading what is world-readable outside the hidden folders (/etc, other users' files, model weights elsewhere,
+    /proc and /sys); as the fallback user namespace, everything the trainer's user can read outside them;
   - unix sockets on the filesystem that the program's user may connect to (connect() works on a read-only mount);
-  - memory: RLIMIT_AS is per process, so MAX_PROCESSES x memory_mb bounds the whole sandbox; a cgroup would be exact;
+  - memory beyond memory_mb per process where no cgroup can be made (above);
   - CPU time until the deadline, and the kernel itself (no seccomp filter: a kernel exploit escapes).
 It needs Linux 5.12+ and util-linux's unshare; the probe says so (NETWORK_ISOLATION) where either is missing.
 
@@ -82,6 +101,7 @@ WORKDIR_MB = 64  # size of that tmpfs (and of the private /dev/shm)
 FILE_SIZE_MB = 16  # RLIMIT_FSIZE: the largest file the program may write
 MAX_PROCESSES = 32  # RLIMIT_NPROC: processes and threads of the sandbox's uid
 MAX_OPEN_FILES = 256  # RLIMIT_NOFILE
+DEVICES = ("null", "zero", "full", "random", "urandom")  # the only device nodes in the sandbox's /dev
 SANDBOX_UID_BASE = 2_000_000_000  # as root, each call runs as a uid of its own from here: no user has these
 MAIN = "main.py"
 PYTHON_FLAGS = ("-I", "-S", "-u")
@@ -166,8 +186,9 @@ def check_files(files: dict | None) -> dict[str, bytes]:
 # ---------------------------------------------------------------------------- inside the sandbox
 
 def _sandbox_init(setup_failed: str, setup_failed_status: int):
-    """PID 1 of the new namespaces, as (namespace) root: make the mounts read-only, mount the private tmpfs
-    directories, drop privileges, write the program and its files, set the rlimits, exec the program.
+    """PID 1 of the new namespaces, as (namespace) root: join the call's memory cgroup, make the mounts read-only,
+    nosuid and nodev, build the new /dev, mount the private tmpfs directories and hide the trainer's folders, drop
+    privileges, write the program and its files, set the rlimits, exec the program.
 
     It runs in the child from its source text (`python -c`, see _INIT_PROGRAM), so it imports what it needs
     itself and uses nothing else from this module. Its instructions come first on stdin: a 16-digit length, then
@@ -181,8 +202,8 @@ def _sandbox_init(setup_failed: str, setup_failed_status: int):
 
     libc = ctypes.CDLL(None, use_errno=True)
     SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000  # the same syscall number on every architecture
-    MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
-    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+    MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
+    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x2000
     PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 
     def fail(step, errno=None):
@@ -203,21 +224,56 @@ def _sandbox_init(setup_failed: str, setup_failed_status: int):
             data += chunk
         return bytes(data)
 
+    def set_mount_attributes(path, set_flags, clear_flags=0, recursive=False):
+        attr = (ctypes.c_uint64 * 4)(set_flags, clear_flags, 0, 0)  # struct mount_attr: set, clear, propagation, userns
+        flags = ctypes.c_uint(AT_RECURSIVE if recursive else 0)
+        if libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(), flags, attr,
+                        ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+            fail(f"mount_setattr (Linux 5.12+) on {path}")
+
     instructions = marshal.loads(read_exactly(int(read_exactly(16))))
     config, files = instructions["config"], instructions["files"]
 
-    # the whole tree read-only and nosuid, every mount below / included (/proc, /dev, /sys, ...)
-    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)  # struct mount_attr
-    if libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), b"/", ctypes.c_uint(AT_RECURSIVE),
-                    attr, ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
-        fail("mount_setattr (Linux 5.12+) making / read-only")
+    if config["cgroup"]:  # first: everything this process starts from now on is charged to the call's memory bound
+        try:
+            with open(os.path.join(config["cgroup"], "cgroup.procs"), "w") as f:
+                f.write("0")  # 0: the writer itself
+        except OSError as e:
+            fail("joining the call's memory cgroup", e.errno)
+
+    # the whole tree read-only, nosuid and nodev, every mount below / included (/proc, /dev, /sys, ...): no device
+    # node anywhere can be opened (a world-writable /dev/nvidia*, /dev/kmsg), but for the few the new /dev holds
+    set_mount_attributes("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, recursive=True)
     uid = config["uid"] if config["uid"] is not None else 0
     mount_tmpfs(config["workdir"], MS_NOSUID | MS_NODEV,
                 f"size={config['workdir_mb']}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}")
-    if os.path.isdir("/dev/shm"):
-        mount_tmpfs("/dev/shm", MS_NOSUID | MS_NODEV, f"size={config['workdir_mb']}m,nr_inodes=1024,mode=1777")
-    if config["hide"]:
-        mount_tmpfs(config["hide"], MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=1,mode=0755")
+    # a new /dev: built on a tmpfs in the working directory, bind mounts of the harmless device nodes (the only
+    # mounts without nodev), then moved over /dev, which hides every other node of the machine's
+    try:
+        staging = os.path.join(config["workdir"], ".dev")
+        os.mkdir(staging)
+        mount_tmpfs(staging, MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+        for name in config["devices"]:
+            if os.path.exists("/dev/" + name):
+                open(os.path.join(staging, name), "w").close()
+                if libc.mount(f"/dev/{name}".encode(), os.path.join(staging, name).encode(), None,
+                              ctypes.c_ulong(MS_BIND), None) != 0:
+                    fail(f"bind-mounting /dev/{name}")
+                set_mount_attributes(os.path.join(staging, name), MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID
+                                     | MOUNT_ATTR_NOEXEC, clear_flags=MOUNT_ATTR_NODEV)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, os.path.join(staging, name))
+        os.mkdir(os.path.join(staging, "shm"))
+        set_mount_attributes(staging, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
+        if libc.mount(staging.encode(), b"/dev", None, ctypes.c_ulong(MS_MOVE), None) != 0:
+            fail("moving the new /dev into place")
+        os.rmdir(staging)
+    except OSError as e:
+        fail("building /dev", e.errno)
+    mount_tmpfs("/dev/shm", MS_NOSUID | MS_NODEV, f"size={config['workdir_mb']}m,nr_inodes=1024,mode=1777")
+    for folder in config["hide"]:  # the trainer's home directory and working tree: an empty read-only tmpfs over each
+        mount_tmpfs(folder, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=1,mode=0755")
 
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last_cap = int(f.read())
@@ -265,6 +321,8 @@ class _Launcher:
     """The interpreter, as a real path (a symlinked venv python would need its venv, maybe under the hidden home)."""
     own_uid: bool
     """Switch to a uid of its own (as root)."""
+    memory_cgroup: bool
+    """Each call in a memory cgroup of its own (_memory_cgroup), which bounds all its processes together."""
 
 
 _next_uid = itertools.count()
@@ -275,13 +333,125 @@ def _python_candidates() -> list[str]:
     return list(dict.fromkeys(os.path.realpath(path) for path in found if path))
 
 
-def _home_to_hide(python: str) -> str | None:
-    """The trainer's home directory, unless hiding it would hide the interpreter, or it holds / or /tmp."""
-    home = os.path.realpath(os.path.expanduser("~"))
+def _folders_to_hide(python: str) -> list[str]:
+    """The trainer's home directory (where credentials live), its working directory and the checkout ppo_core is
+    imported from (the repository: its code, configs, run directories), each unless it would hide the interpreter,
+    is /, holds or lies in /tmp, or lies in one already hidden."""
+    home = os.path.expanduser("~")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        cwd = os.getcwd()
+    except OSError:  # a working directory deleted since: nothing there to hide
+        cwd = home
     inside = lambda path, folder: path == folder or path.startswith(folder.rstrip("/") + "/")  # noqa: E731
-    if not os.path.isdir(home) or inside(python, home) or inside(WORKDIR, home) or inside(home, WORKDIR):
+    hidden = []
+    for folder in sorted({os.path.realpath(path) for path in (home, cwd, checkout)}, key=len):
+        if (os.path.isdir(folder) and folder != "/" and not inside(python, folder) and not inside(WORKDIR, folder)
+                and not inside(folder, WORKDIR) and not any(inside(folder, outer) for outer in hidden)):
+            hidden.append(folder)
+    return hidden
+
+
+# ---------------------------------------------------------------------------- the memory cgroup
+
+_next_cgroup = itertools.count()
+
+
+def _cgroup_candidates() -> list[tuple[str, str]]:
+    """(folder, limit file) where this process might make a memory cgroup per call, in the order tried: under its own
+    cgroup v2 or beside it (where the memory controller is enabled for the children: a delegated subtree, or the
+    root of the hierarchy), then under its own group of the cgroup v1 memory controller."""
+    mounts = {}  # "cgroup2" or "memory" -> (mount point, the mount's root within the hierarchy)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+            if fstype == "cgroup2" or (fstype == "cgroup" and "memory" in options):
+                mounts.setdefault("cgroup2" if fstype == "cgroup2" else "memory", (fields[4], fields[3]))
+    candidates = []
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            kind = "cgroup2" if controllers == "" else "memory" if "memory" in controllers.split(",") else None
+            if kind not in mounts:
+                continue
+            mount_point, root = mounts[kind]
+            relative = os.path.relpath(path, root)
+            if relative.startswith(".."):  # outside what is mounted here
+                continue
+            own = mount_point if relative == "." else os.path.join(mount_point, relative)
+            if kind == "cgroup2":
+                candidates.append((own, "memory.max"))
+                if own != mount_point:
+                    candidates.append((os.path.dirname(own), "memory.max"))
+            else:
+                candidates.append((own, "memory.limit_in_bytes"))
+    return candidates
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_cgroup() -> tuple[tuple[str, str] | None, str]:
+    """The first of _cgroup_candidates in which a group can be made and given a memory limit here, and why none
+    could (runs once per process)."""
+    failures = []
+    for folder, limit_file in _cgroup_candidates():
+        probe = os.path.join(folder, f"ppo-sandbox-{os.getpid()}-probe")
+        try:
+            os.mkdir(probe)
+            try:
+                with open(os.path.join(probe, limit_file), "w") as f:
+                    f.write(str(64 << 20))
+            finally:
+                os.rmdir(probe)
+            return (folder, limit_file), f"{folder} ({limit_file})"
+        except OSError as e:
+            failures.append(f"{folder}: {e.strerror}")
+    return None, "; ".join(failures) or "no cgroup v2 or v1 memory controller mounted"
+
+
+def _make_call_cgroup(memory_mb: int) -> str | None:
+    """A new memory cgroup for one call, limited to memory_mb (swap included where the kernel counts it); None where
+    the machine gives none. Raises OSError when one was available but could not be made."""
+    found, _ = _memory_cgroup()
+    if found is None:
         return None
-    return home
+    folder, limit_file = found
+    path = os.path.join(folder, f"ppo-sandbox-{os.getpid()}-{next(_next_cgroup)}")
+    os.mkdir(path)
+    # no swap beyond the bound (v2: swap counted apart; v1: memory + swap together); absent without swap accounting
+    swap_file, swap_value = (("memory.swap.max", 0) if limit_file == "memory.max"
+                             else ("memory.memsw.limit_in_bytes", memory_mb << 20))
+    try:
+        with open(os.path.join(path, limit_file), "w") as f:
+            f.write(str(memory_mb << 20))
+        if os.path.exists(os.path.join(path, swap_file)):
+            with open(os.path.join(path, swap_file), "w") as f:
+                f.write(str(swap_value))
+    except OSError:
+        os.rmdir(path)
+        raise
+    return path
+
+
+def _remove_call_cgroup(path: str) -> int:
+    """Remove a call's cgroup once its processes are gone -> how many processes the kernel killed at its memory
+    bound. The PID namespace's last processes can take a moment to be reaped after unshare: retried for 2 s."""
+    oom_kills = 0
+    for events in ("memory.events", "memory.oom_control"):  # v2, v1: a line "oom_kill N"
+        try:
+            with open(os.path.join(path, events)) as f:
+                oom_kills = max([oom_kills] + [int(line.split()[1]) for line in f if line.startswith("oom_kill ")])
+        except OSError:
+            pass
+    for _ in range(100):
+        try:
+            os.rmdir(path)
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.02)
+    return oom_kills
 
 
 def _run_local(launcher: _Launcher, code: str, stdin: bytes, timeout_s: float, memory_mb: int,
@@ -290,9 +460,15 @@ def _run_local(launcher: _Launcher, code: str, stdin: bytes, timeout_s: float, m
     uid = None
     if launcher.own_uid:  # unique among this process's calls in flight (up to 1000), most likely among others'
         uid = SANDBOX_UID_BASE + (os.getpid() % 1000) * 1000 + next(_next_uid) % 1000
+    start = time.monotonic()
+    try:
+        cgroup = _make_call_cgroup(memory_mb) if launcher.memory_cgroup else None
+    except OSError as e:
+        return SandboxResult(stdout="", stderr="", exit_code=None, timed_out=False, wall_s=time.monotonic() - start,
+                             truncated=False, error=f"{SETUP_FAILED} at making the call's memory cgroup: {e}")
     config = {
-        "uid": uid,
-        "workdir": WORKDIR, "workdir_mb": WORKDIR_MB, "hide": _home_to_hide(launcher.python),
+        "uid": uid, "cgroup": cgroup,
+        "workdir": WORKDIR, "workdir_mb": WORKDIR_MB, "hide": _folders_to_hide(launcher.python), "devices": DEVICES,
         "argv": [launcher.python, *PYTHON_FLAGS, MAIN], "env": CHILD_ENV,
         "rlimits": {"RLIMIT_CPU": (cpu_s, cpu_s + 1),  # SIGXCPU at the soft limit, SIGKILL at the hard one
                     "RLIMIT_AS": (memory_mb << 20,) * 2, "RLIMIT_NPROC": (MAX_PROCESSES,) * 2,
@@ -302,18 +478,21 @@ def _run_local(launcher: _Launcher, code: str, stdin: bytes, timeout_s: float, m
     # marshal format 4 (Python 3.4+): readable by whichever python3 the child runs
     instructions = marshal.dumps({"config": config, "files": {MAIN: code.encode(), **files}}, 4)
     argv = [*launcher.unshare, launcher.python, "-I", "-S", "-c", _INIT_PROGRAM]
-    start = time.monotonic()
     # start_new_session: unshare and the namespace's PID 1 form a process group, killed as one at the deadline
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"}, start_new_session=True)
     stdout, stderr, stopped = _communicate(proc, b"%016d" % len(instructions) + instructions + stdin, start + timeout_s)
     wall_s = time.monotonic() - start
+    oom_kills = _remove_call_cgroup(cgroup) if cgroup is not None else 0
 
     exit_code = proc.returncode if proc.returncode >= 0 else None
     killed_by = signal.Signals(-proc.returncode).name if proc.returncode < 0 else None
     error = {"output": f"output passed {OUTPUT_KILL_BYTES >> 20} MiB: the run was killed"}.get(stopped)
     if exit_code == SETUP_FAILED_STATUS and stderr.text().startswith(SETUP_FAILED):
         exit_code, error = None, stderr.text().strip()
+    if oom_kills and error is None:
+        error = (f"the call's memory bound ({memory_mb} MiB, all its processes together) was reached: the kernel "
+                 f"killed {oom_kills} process{'es' if oom_kills > 1 else ''}")
     return SandboxResult(stdout=stdout.text(), stderr=stderr.text(), exit_code=exit_code,
                          timed_out=stopped == "timeout", wall_s=wall_s,
                          truncated=stdout.truncated or stderr.truncated, killed_by=killed_by, error=error)
@@ -394,15 +573,22 @@ def _find_launcher() -> tuple[_Launcher | None, str]:
     if os.geteuid() == 0:
         modes.insert(0, ("namespaces (unshare --net --pid --mount --ipc --uts) as root, the program as a uid of its "
                          "own", (unshare, *namespaces), True))
+    cgroup, where = _memory_cgroup()
+    no_cgroup = where
     failures = []
     for description, command, own_uid in modes:
         for python in _python_candidates():
-            launcher = _Launcher(f"{description}; {python}", command, python, own_uid)
-            probe = _run_local(launcher, "pass", b"", timeout_s=10.0, memory_mb=256, files={})
-            if probe.ok:
-                return launcher, launcher.description
-            why = probe.error or probe.stderr.strip()[-200:] or f"exit status {probe.exit_code}"
-            failures.append(f"{description.split(' (')[0]} with {python}: {why}")
+            for memory_cgroup in [True, False] if cgroup else [False]:  # without the cgroup where joining it fails
+                memory = (f"memory: a cgroup per call under {where}" if memory_cgroup
+                          else f"memory: per process only (RLIMIT_AS), no cgroup: {no_cgroup}")
+                launcher = _Launcher(f"{description}; {python}; {memory}", command, python, own_uid, memory_cgroup)
+                probe = _run_local(launcher, "pass", b"", timeout_s=10.0, memory_mb=256, files={})
+                if probe.ok:
+                    return launcher, launcher.description
+                why = probe.error or probe.stderr.strip()[-200:] or f"exit status {probe.exit_code}"
+                failures.append(f"{description.split(' (')[0]} with {python}{' in a cgroup' * memory_cgroup}: {why}")
+                if memory_cgroup:
+                    no_cgroup = f"joining one under {where} failed: {why}"
     return None, "none: " + "; ".join(failures)
 
 
@@ -410,6 +596,13 @@ def isolation() -> str:
     """What isolates the sandbox here (the first call probes, later ones are free); "none: <why>" where nothing
     does."""
     return _find_launcher()[1]
+
+
+def memory_bound_per_call() -> bool:
+    """Whether each call runs in a memory cgroup of its own, which bounds its processes together (and the files it
+    writes to its tmpfs); False: memory_mb bounds each process only (see the module docstring)."""
+    launcher = _find_launcher()[0]
+    return bool(launcher and launcher.memory_cgroup)
 
 
 def interpreter() -> str | None:

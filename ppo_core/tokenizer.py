@@ -22,10 +22,11 @@ and those, and save_pretrained writes generation_config.json back so that a save
 import json
 import os
 
+import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .chat_template import render_chat_template
-from .model import CheckpointError, checkpoint_dir
+from .chat_template import compile_chat_template, render_chat_template
+from .model import CheckpointError, checkpoint_dir, read_json_object
 
 # the named special tokens transformers passes to a chat template (`special_tokens_map`)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -210,18 +211,50 @@ def read_generation_config(path):
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return None
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    config = read_json_object(file)
     eos = config.get("eos_token_id")
     ids = [eos] if not isinstance(eos, list) else eos
     if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
     return config
+
+
+def _read_template(file) -> str:
+    """A chat template file's text, compiled once here so that a file that is not UTF-8 or not a Jinja template is
+    a CheckpointError naming it (and its line) when the tokenizer loads, not a traceback at the first render."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {file} as UTF-8 text ({e})") from None
+    return _check_template(text, file)
+
+
+def _check_template(text, where) -> str:
+    try:
+        compile_chat_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"{where}: not a valid Jinja chat template (line {e.lineno}: {e.message})") from None
+    return text
+
+
+def _check_tokenizer_config(config: dict, file):
+    """The entries of tokenizer_config.json (or special_tokens_map.json) that the Tokenizer reads: named special
+    tokens as strings or {"content": string} dicts, the chat template a string or a list of {"name", "template"}."""
+    for key in SPECIAL_TOKEN_NAMES:
+        value = config.get(key)
+        if value is not None and not isinstance(value if not isinstance(value, dict) else value.get("content"), str):
+            raise CheckpointError(f"{file}: '{key}' must be a token string or {{\"content\": string}}, got {value!r}")
+    templates = config.get("chat_template")
+    if isinstance(templates, str):
+        _check_template(templates, f"{file}: 'chat_template'")
+    elif templates is not None:
+        if not (isinstance(templates, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                    and isinstance(t.get("template"), str) for t in templates)):
+            raise CheckpointError(f"{file}: 'chat_template' must be a string or a list of "
+                                  f"{{\"name\", \"template\"}} strings")
+        for t in templates:
+            _check_template(t["template"], f"{file}: chat_template {t['name']!r}")
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -235,28 +268,32 @@ def load_tokenizer(path) -> Tokenizer:
     config = {}
     cfg_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(cfg_file):
-        with open(cfg_file, encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json_object(cfg_file)
+        _check_tokenizer_config(config, cfg_file)
     # legacy layout: special tokens in special_tokens_map.json (transformers reads it when the config has no
     # added_tokens_decoder; the config's own entries win)
     legacy = os.path.join(path, "special_tokens_map.json")
     if os.path.isfile(legacy) and "added_tokens_decoder" not in config:
-        with open(legacy, encoding="utf-8") as f:
-            for key, value in json.load(f).items():
-                if not config.get(key):
-                    config[key] = value
+        legacy_tokens = read_json_object(legacy)
+        _check_tokenizer_config({k: v for k, v in legacy_tokens.items() if k != "chat_template"}, legacy)
+        for key, value in legacy_tokens.items():
+            if not config.get(key):
+                config[key] = value
     # chat_template.jinja and additional_chat_templates/NAME.jinja win over tokenizer_config.json
     templates = {}
     if os.path.isfile(os.path.join(path, "chat_template.jinja")):
-        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
-            templates["default"] = f.read()
+        templates["default"] = _read_template(os.path.join(path, "chat_template.jinja"))
     extra_dir = os.path.join(path, "additional_chat_templates")
     if os.path.isdir(extra_dir):
         for name in sorted(os.listdir(extra_dir)):
             if name.endswith(".jinja"):
-                with open(os.path.join(extra_dir, name), encoding="utf-8") as f:
-                    templates[name[: -len(".jinja")]] = f.read()
+                templates[name[: -len(".jinja")]] = _read_template(os.path.join(extra_dir, name))
     chat_template = None
     if templates:
         chat_template = templates["default"] if list(templates) == ["default"] else templates
-    return Tokenizer(_HFTokenizer.from_file(tok_file), config, chat_template, read_generation_config(path))
+    try:
+        backend = _HFTokenizer.from_file(tok_file)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        reason = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"{tok_file}: not a tokenizer the tokenizers library can read ({reason})") from None
+    return Tokenizer(backend, config, chat_template, read_generation_config(path))

@@ -16,6 +16,11 @@ and renders each {"role": "tool"} message as a <tool_response> block inside a us
 end of turn (its EOS), as Qwen3 ends a turn of tool calls right after the last TOOL_CALL_END
 (ppo_core.environments); the environment then runs the calls and the policy reads their answers in its next turn.
 
+The text is the policy's, and in RL the policy writes whatever it is rewarded for: nothing it writes raises here. A
+block's JSON is decoded within MAX_CALL_BYTES and MAX_JSON_DEPTH, any failure is a MalformedCall answered with its
+reason (and counted), at most max_calls blocks of a turn are run (the config's max_tool_calls_per_turn), and the
+calculator evaluates with a stack of its own, not by recursion.
+
 A tool is a plain class: `name`, `description`, `parameters` (a JSON schema of its arguments, as the template renders
 it) and `__call__(arguments: dict) -> str`, the observation text. A tool refuses input it cannot answer by raising
 ToolError (any exception is caught by run_tool_calls and becomes an "error: ..." observation).
@@ -24,10 +29,14 @@ import ast
 import json
 import math
 import operator
+import re
 from dataclasses import dataclass
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"  # closes one call
+MAX_CALL_BYTES = 64 * 1024  # a block's JSON, at most: a call is a name and a few arguments (code included)
+MAX_JSON_DEPTH = 32  # arrays and objects nested in one call, at most
+MAX_CALLS_PER_TURN = 8  # run_tool_calls' default: blocks answered in one turn, the rest not run
 
 
 class ToolError(ValueError):
@@ -61,28 +70,61 @@ def parse_tool_calls(text: str) -> list:
     name that is not a non-empty string, arguments that are not an object; a <tool_call> that is not closed before
     the text ends or the next <tool_call> starts; a </tool_call> with no <tool_call> before it (the model meant
     a call). Text outside the blocks is not read.
+
+    The text is the policy's and may be anything: this never raises. One pass over the tags (linear in the text),
+    and a block's JSON is decoded only within MAX_CALL_BYTES and MAX_JSON_DEPTH (see load_json_bounded).
     """
     calls = []
-    position = 0
-    while True:
-        start = text.find(TOOL_CALL_START, position)
-        stray_end = text.find(TOOL_CALL_END, position)
-        if stray_end != -1 and (start == -1 or stray_end < start):
-            calls.append(MalformedCall(f"{TOOL_CALL_END} without {TOOL_CALL_START}", text[position:stray_end]))
-            position = stray_end + len(TOOL_CALL_END)
-            continue
-        if start == -1:
-            return calls
-        body_start = start + len(TOOL_CALL_START)
-        end = text.find(TOOL_CALL_END, body_start)
-        next_start = text.find(TOOL_CALL_START, body_start)
-        if end == -1 or (next_start != -1 and next_start < end):
-            stop = len(text) if next_start == -1 else next_start
-            calls.append(MalformedCall(f"unclosed {TOOL_CALL_START}", text[body_start:stop]))
-            position = stop
-            continue
-        calls.append(_parse_block(text[body_start:end]))
-        position = end + len(TOOL_CALL_END)
+    position = 0  # end of the last tag handled
+    body_start = None  # where the open block's body starts, None when no block is open
+    for tag in _TAG.finditer(text):
+        if tag.group() == TOOL_CALL_START:
+            if body_start is not None:
+                calls.append(MalformedCall(f"unclosed {TOOL_CALL_START}", text[body_start:tag.start()]))
+            body_start = tag.end()
+        elif body_start is None:
+            calls.append(MalformedCall(f"{TOOL_CALL_END} without {TOOL_CALL_START}", text[position:tag.start()]))
+        else:
+            calls.append(_parse_block(text[body_start:tag.start()]))
+            body_start = None
+        position = tag.end()
+    if body_start is not None:
+        calls.append(MalformedCall(f"unclosed {TOOL_CALL_START}", text[body_start:]))
+    return calls
+
+
+_TAG = re.compile(re.escape(TOOL_CALL_START) + "|" + re.escape(TOOL_CALL_END))
+# a JSON string (its closing quote optional, so that an unterminated one is one token, not a retry from each quote
+# inside it: the scan stays linear) or a bracket
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
+
+
+def load_json_bounded(text: str, max_bytes: int, max_depth: int):
+    """json.loads(text) for text the policy wrote; raises only ValueError (json.JSONDecodeError for bad JSON, with its
+    position), whose message is the reason.
+
+    Bounded before decoding: at most max_bytes of UTF-8, and arrays/objects nested at most max_depth deep (counted
+    outside strings), since json.loads recurses once per level (1,000 levels: RecursionError) and its cost grows with
+    the text. What json.loads raises besides bad JSON becomes a ValueError too: an integer past Python's 4,300-digit
+    limit, a recursion the bracket count did not foresee."""
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise ValueError(f"longer than {max_bytes} bytes ({size})")
+    depth = deepest = 0
+    for token in _JSON_TOKEN.findall(text):
+        if token == "[" or token == "{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token == "]" or token == "}":
+            depth -= 1
+    if deepest > max_depth:
+        raise ValueError(f"nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"bad JSON: {str(e)[:200]}") from None
 
 
 def _parse_block(body: str):
@@ -90,9 +132,11 @@ def _parse_block(body: str):
     if not body.strip():
         return MalformedCall("empty", body)
     try:
-        call = json.loads(body)
+        call = load_json_bounded(body, MAX_CALL_BYTES, MAX_JSON_DEPTH)
     except json.JSONDecodeError as e:
         return MalformedCall(f"bad JSON: {e.msg} at line {e.lineno} column {e.colno}", body)
+    except ValueError as e:
+        return MalformedCall(str(e), body)
     if not isinstance(call, dict):
         return MalformedCall(f"expected a JSON object, got {_json_type(call)}", body)
     name = call.get("name")
@@ -103,9 +147,11 @@ def _parse_block(body: str):
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # '{"expression": "1+1"}' as a string: decode it once
         try:
-            arguments = json.loads(arguments)
+            arguments = load_json_bounded(arguments, MAX_CALL_BYTES, MAX_JSON_DEPTH)
         except json.JSONDecodeError as e:
             return MalformedCall(f'"arguments" is a string of bad JSON: {e.msg}', body)
+        except ValueError as e:
+            return MalformedCall(f'"arguments" is a string: {e}', body)
     if not isinstance(arguments, dict):
         return MalformedCall(f'"arguments" must be an object, got {_json_type(arguments)}', body)
     return ToolCall(name, arguments)
@@ -124,20 +170,24 @@ def _json_type(value) -> str:
 # ------------------------------------------------------------------------------------------------- running
 
 
-def run_tool_calls(text: str, tools: dict) -> tuple[list[str], dict]:
-    """Answer every tool call in an assistant's text -> (observations, counts).
+def run_tool_calls(text: str, tools: dict, max_calls: int = MAX_CALLS_PER_TURN) -> tuple[list[str], dict]:
+    """Answer the tool calls in an assistant's text, at most max_calls of them -> (observations, counts).
 
-    observations: one str per <tool_call> block, in order: the tool's output; or "error: unknown tool 'x'",
-                  "error: malformed tool call: <reason>", "error: <message>" when the tool raised ToolError, and
-                  "error: <ExceptionType>: <message>" when it raised anything else (a bug, not the model's input).
-    counts:       {"tool_calls": blocks, well-formed or not; "malformed_calls": those that are not calls;
-                   "tool_errors": well-formed calls answered with an error (an unknown tool, a tool that raised)}.
+    observations: one str per <tool_call> block, in order, up to max_calls: the tool's output; or "error: unknown
+                  tool 'x'", "error: malformed tool call: <reason>", "error: <message>" when the tool raised
+                  ToolError, and "error: <ExceptionType>: <message>" when it raised anything else (a bug, not the
+                  model's input). Blocks past max_calls are not run: one more
+                  observation says how many, so a turn of 5,000 calls costs max_calls calls and one line.
+    counts:       {"tool_calls": blocks, well-formed or not, run or not; "malformed_calls": those that are not calls;
+                   "tool_errors": well-formed calls answered with an error (an unknown tool, a tool that raised);
+                   "calls_not_run": blocks past max_calls}.
     A Python run that fails is an observation, not a tool error: the tool did run the code (see PythonTool).
     """
     observations = []
-    counts = {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0}
-    for call in parse_tool_calls(text):
-        counts["tool_calls"] += 1
+    calls = parse_tool_calls(text)
+    counts = {"tool_calls": len(calls), "malformed_calls": 0, "tool_errors": 0,
+              "calls_not_run": max(len(calls) - max_calls, 0)}
+    for call in calls[:max_calls]:
         if isinstance(call, MalformedCall):
             counts["malformed_calls"] += 1
             observations.append(f"error: malformed tool call: {call.reason}")
@@ -145,7 +195,8 @@ def run_tool_calls(text: str, tools: dict) -> tuple[list[str], dict]:
         tool = tools.get(call.name)
         if tool is None:
             counts["tool_errors"] += 1
-            observations.append(f"error: unknown tool {call.name!r} (the tools: {', '.join(sorted(tools)) or 'none'})")
+            observations.append(f"error: unknown tool {clip_middle(repr(call.name), 200)} "
+                                f"(the tools: {', '.join(sorted(tools)) or 'none'})")
             continue
         try:
             observations.append(str(tool(call.arguments)))
@@ -155,6 +206,9 @@ def run_tool_calls(text: str, tools: dict) -> tuple[list[str], dict]:
         except Exception as e:  # a tool's own failure must not end the rollout; the model reads what went wrong
             counts["tool_errors"] += 1
             observations.append(f"error: {type(e).__name__}: {e}")
+    if counts["calls_not_run"]:
+        observations.append(f"error: {counts['calls_not_run']} more tool calls not run: at most {max_calls} "
+                            f"per turn")
     return observations, counts
 
 
@@ -212,29 +266,49 @@ class Calculator:
             tree = ast.parse(expression.strip(), mode="eval")
         except SyntaxError as e:
             raise ToolError(f"not an arithmetic expression: {e.msg}") from None
+        except (RecursionError, MemoryError, ValueError):  # the parser's own bounds on nesting
+            raise ToolError("expression nested too deeply") from None
         value = self._evaluate(tree.body)
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:  # exact as an int below 2**53
             return str(int(value))
         return repr(value)
 
-    def _evaluate(self, node):
-        if isinstance(node, ast.Constant):
-            if type(node.value) not in (int, float):  # bool is an int subclass, hence type(), not isinstance
-                raise ToolError(f"not a number: {node.value!r}")
-            return self._checked(node.value)  # 1e999 is a float literal of inf
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](self._evaluate(node.operand))
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right = self._evaluate(node.left), self._evaluate(node.right)
-            if isinstance(node.op, ast.Pow):
-                self._check_power(left, right)
-            try:
-                value = _BINARY[type(node.op)](left, right)
-            except ZeroDivisionError:
-                raise ToolError("division by zero") from None
-            except OverflowError:  # float ** float past 1.8e308
-                raise ToolError("result too large") from None
-            return self._checked(value)
+    def _evaluate(self, root):
+        """The expression tree's value, computed with a stack of its own rather than by recursion: '-' * 999 + '1'
+        is 999 nested nodes, past Python's recursion limit."""
+        values = []  # operands computed so far, in post-order
+        pending = [(root, False)]  # (node, its operands are already on `values`)
+        while pending:
+            node, operands_done = pending.pop()
+            if isinstance(node, ast.Constant):
+                if type(node.value) not in (int, float):  # bool is an int subclass, hence type(), not isinstance
+                    raise ToolError(f"not a number: {node.value!r}")
+                values.append(self._checked(node.value))  # 1e999 is a float literal of inf
+            elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+                if not operands_done:
+                    pending += [(node, True), (node.operand, False)]
+                else:
+                    values.append(_UNARY[type(node.op)](values.pop()))
+            elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+                if not operands_done:  # the left operand is computed first, as Python does
+                    pending += [(node, True), (node.right, False), (node.left, False)]
+                    continue
+                right = values.pop()
+                left = values.pop()
+                if isinstance(node.op, ast.Pow):
+                    self._check_power(left, right)
+                try:
+                    value = _BINARY[type(node.op)](left, right)
+                except ZeroDivisionError:
+                    raise ToolError("division by zero") from None
+                except OverflowError:  # float ** float past 1.8e308
+                    raise ToolError("result too large") from None
+                values.append(self._checked(value))
+            else:
+                self._refuse(node)
+        return values.pop()
+
+    def _refuse(self, node):
         if isinstance(node, ast.Name):
             raise ToolError(f"names are not allowed: {node.id!r}")
         if isinstance(node, ast.Call):

@@ -32,6 +32,7 @@ SIGINT: a checkpoint and 143); and the command line, `main`.
 """
 import contextlib
 import dataclasses
+import datetime
 import os
 import random
 import sys
@@ -40,14 +41,14 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, lora
+from . import algo, checkpoint, lora, plan
 from . import distributed as dist
 from . import rollout_worker, runlog, tracking
 from .rollout_worker import RolloutClient
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
 from .model import CheckpointError, load_model, load_score_model
 from .precision import loss_paths, precision_line, resolve_precision
-from .prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out, where_is
+from .prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
 from .remote_reward import RewardUnavailable
 from .reward_source import make_reward_source
 from .rewards import RewardError
@@ -87,7 +88,10 @@ def run(cfg: PPOConfig, resume_from=None):
     policy, critic, reference = build_models(cfg, policy_path, tokenizer, device, precision.param_dtype)
     reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
     policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
-    check_prompts(cfg, policy, train_rows, held_out, prompt_lengths, reward_source, eval_source)
+    train_rows, held_out, stream, overlong = fit_context(cfg, policy, train_rows, held_out, stream, prompt_lengths)
+    longest = min(max(prompt_lengths, default=1), policy.args.max_position_embeddings - cfg.max_new_tokens)  # kept rows'
+    check_batch(cfg, train_rows, longest, policy_path, world, device)  # the data and the memory hold it
+    check_prompts(cfg, train_rows, held_out, reward_source, eval_source)
     run_dir, ckpt, log, tracker = open_run_dir(cfg, policy_path, resume_from, precision)
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
@@ -111,6 +115,9 @@ def run(cfg: PPOConfig, resume_from=None):
     else:
         start_iter = 0
         log_first_lines(log, cfg, policy_path, policy, world, device, run_dir, precision, train_rows, held_out)
+        if overlong:
+            log.info(f"prompts: {overlong} rows dropped (drop_overlong_prompts): longer than the model's context leaves "
+                     f"for max_new_tokens={cfg.max_new_tokens}")
         with ckpts.stopped_if_server_down("during the evaluation before training; nothing saved yet; start again "
                                           f"with: ppo-train --resume {run_dir.path}"):
             state["eval_before"], state["eval_before_greedy"] = evaluate_policy(), evaluate_policy(greedy=True)
@@ -121,8 +128,9 @@ def run(cfg: PPOConfig, resume_from=None):
     if workers is not None:
         workers.start(start_iter, state)
 
-    with runlog.StopSignals() as stop:
+    with runlog.StopSignals(cfg.stop_grace_s) as stop, ckpts.stopped_if_abandoned(stop):
         for it in log.iterations(cfg.iterations, start_iter):
+            stop.work_starts(it + 1)  # from here to work_ends a second signal abandons the iteration (runlog.StopSignals)
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
@@ -145,6 +153,8 @@ def run(cfg: PPOConfig, resume_from=None):
                 train_stats.update(workers.after_update(it, state))
             metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg,
                                         seconds=(t_roll, t_train, time.perf_counter()))
+            if cfg.drop_overlong_prompts:
+                metrics["prompts/dropped_overlong"] = overlong
             state["last_kl"] = metrics["kl/mean"]  # k1: what the adaptive controller reads (Ziegler et al. 2019)
             state["last_kl_k3"] = metrics["kl/k3_mean"]  # k3 >= 0: what the summary reports
             kl_ctl.update(state["last_kl"], rollout_rows(cfg))
@@ -153,6 +163,7 @@ def run(cfg: PPOConfig, resume_from=None):
                 with ckpts.saved_if_server_down(it + 1, f" in the evaluation of iteration {it + 1}", pending=metrics,
                                                 samples=(it, rollout.sampled)):
                     metrics["eval/reward"] = evaluate_policy()
+            stop.work_ends()  # what follows is written whole, even under a second signal
             log.metrics(metrics)
             tracker.log(metrics, it + 1)
             write_samples(cfg, run_dir, tracker, tokenizer, it, rollout.sampled)
@@ -176,8 +187,11 @@ def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
     """A rollout worker's whole run (config rollout_ranks): the models and the stream it samples with, then
     ppo_core.rollout_worker.serve until the trainer's last iteration. It writes nothing: the trainer owns the run."""
     tokenizer = load_tokenizer(policy_path)
-    _, _, stream = prompt_rows(cfg)
+    train_rows, held_out, stream = prompt_rows(cfg)
     policy = load_model(policy_path, dtype=precision.param_dtype, device=device).eval()
+    if cfg.drop_overlong_prompts:  # the trainers' stream drops the same rows (run)
+        lengths = encoded_lengths(cfg, tokenizer, held_out + train_rows)
+        _, _, stream, _ = fit_context(cfg, policy, train_rows, held_out, stream, lengths)
     if cfg.lora_rank:  # the trainers' adapters: their values arrive with the weights
         lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha or None)
     reference = policy  # what only a pairwise judge's reference samples read (with_reference_responses):
@@ -226,6 +240,19 @@ def check_process_count(cfg: PPOConfig, world):
     if cfg.max_staleness and world > 1 and not cfg.rollout_ranks:
         raise ConfigError("config key 'max_staleness': without rollout workers, one process only for now (its "
                           "checkpoint holds one process's pending rollout)")
+
+
+def check_batch(cfg: PPOConfig, train_rows, longest_prompt, policy_path, world, device):
+    """A batch the data or the memory cannot hold is refused before any work. From a prompts file, one rollout
+    samples rollout_batch_size distinct rows: more than the file's training rows would repeat prompts within the batch
+    (the way to sample a prompt more than once is n_samples_per_prompt, which groups the samples). Then the planner's
+    estimate of the rollout and update against the memory free now (ppo_core.plan.check_run_fits)."""
+    if cfg.prompts_file and cfg.rollout_batch_size > len(train_rows):
+        raise ConfigError(f"config key 'rollout_batch_size': {cfg.rollout_batch_size} prompts per iteration, but "
+                          f"{cfg.prompts_file} holds {len(train_rows)} training rows (held-out rows apart); lower "
+                          f"rollout_batch_size to at most {len(train_rows)} (and raise n_samples_per_prompt to sample "
+                          f"each prompt more than once)")
+    plan.check_run_fits(cfg, policy_path, longest_prompt, world, device)
 
 
 def check_roles(cfg: PPOConfig):
@@ -337,11 +364,35 @@ def encoded_lengths(cfg: PPOConfig, tokenizer, rows) -> list[int]:
     return lengths
 
 
-def check_prompts(cfg: PPOConfig, policy, train_rows, held_out, prompt_lengths, reward_source, eval_source):
+def fit_context(cfg: PPOConfig, policy, train_rows, held_out, stream, prompt_lengths):
+    """Every prompt (prompt_lengths: the token counts of held_out + train_rows) must leave room in the policy's context
+    for max_new_tokens: one that does not is a ConfigError naming its file and line, or, with drop_overlong_prompts,
+    dropped. -> (train_rows, held_out, stream, the number of rows dropped); the stream is rebuilt on the rows kept."""
+    context = policy.args.max_position_embeddings
+    fits = [n + cfg.max_new_tokens <= context for n in prompt_lengths]
+    if all(fits):
+        return train_rows, held_out, stream, 0
+    first = fits.index(False)
+    files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+    if not cfg.drop_overlong_prompts:
+        raise ConfigError(f"{where_is((held_out + train_rows)[first], files)}: the prompt has {prompt_lengths[first]} "
+                          f"tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds the model's context of {context} "
+                          f"tokens (drop_overlong_prompts=true drops such rows)")
+    held_out = [row for row, fit in zip(held_out, fits) if fit]
+    kept = [row for row, fit in zip(train_rows, fits[len(fits) - len(train_rows):]) if fit]
+    if not held_out or (train_rows and not kept):
+        raise ConfigError(f"config key 'drop_overlong_prompts': every {'held-out' if not held_out else 'training'} "
+                          f"prompt is longer than the model's context of {context} tokens leaves for "
+                          f"max_new_tokens={cfg.max_new_tokens}")
+    if train_rows:  # a prompts file's stream (a built-in task's makes its own short prompts)
+        stream = RowStream(kept, cfg.seed)
+    return kept, held_out, stream, fits.count(False)
+
+
+def check_prompts(cfg: PPOConfig, train_rows, held_out, reward_source, eval_source):
     """The prompts against what reads them: the columns each reward source needs are there (or will be sampled: a
-    pairwise judge's reference responses), no column would hide one of samples.jsonl's own, and every prompt
-    (prompt_lengths: the token counts of held_out + train_rows) leaves room in the policy's context for
-    max_new_tokens. A ConfigError or RewardError names the first misfit."""
+    pairwise judge's reference responses) and no column would hide one of samples.jsonl's own. A ConfigError or
+    RewardError names the first misfit."""
     columns = set(columns_of(train_rows + held_out)) | ({cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
     reward_source.check_columns(sorted(columns))  # a column the reward needs is there (or will be sampled)
     if eval_source is not reward_source:
@@ -350,23 +401,20 @@ def check_prompts(cfg: PPOConfig, policy, train_rows, held_out, prompt_lengths, 
     if cfg.log_samples_every and clash:
         raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
                           f"samples.jsonl's own '{clash[0]}'; rename that column")
-    context = policy.args.max_position_embeddings
-    for row, n in zip(held_out + train_rows, prompt_lengths):
-        if n + cfg.max_new_tokens > context:
-            raise ConfigError(f"prompt {prompt_text(row)[:40]!r} has {n} tokens; with max_new_tokens={cfg.max_new_tokens} "
-                              f"it exceeds the model's context of {context} tokens")
 
 
 def open_run_dir(cfg: PPOConfig, policy_path, resume_from, precision):
     """The run directory (ppo_core.runlog.RunDir), new or continued, its metrics and samples cut back to its latest
     checkpoint; the log and the trackers open on it. -> (run_dir, latest checkpoint or None, log, tracker)."""
     run_dir = runlog.RunDir.open(cfg, policy_path, resume_from, precision.describe())
-    ckpt = run_dir.latest_checkpoint()
+    ckpt, ckpt_notes = checkpoint.resume_checkpoint(run_dir.path)  # verified against its manifest, else an older one
     # Metrics of iterations after the checkpoint belong to work a resume redoes.
     done = 0 if ckpt is None else checkpoint.checkpoint_step(ckpt)
     run_dir.truncate_metrics(done)
     tracking.truncate_samples(run_dir.path, done)
     log = runlog.Logger(run_dir, progress=cfg.progress)
+    for note in ckpt_notes:  # a checkpoint skipped and why, or used unverified: the run's first lines
+        log.info(note)
     if run_dir.replaced:  # a run that stopped before its first checkpoint, started again with another config
         log.info(run_dir.replaced)
     if run_dir.precision_changed:
@@ -605,6 +653,21 @@ class Checkpoints:
         self.tracker.log(metrics, step)
         self.save(step)
 
+    @contextlib.contextmanager
+    def stopped_if_abandoned(self, stop: runlog.StopSignals):
+        """An iteration abandoned in its work (runlog.StopSignals: a second SIGTERM / SIGINT, or stop_grace_s after
+        the first) stops the run with the last checkpoint as it was: StopRequested (exit status 143), the line naming
+        the iteration, the checkpoint and how to resume."""
+        try:
+            yield
+        except runlog.IterationAbandoned as e:
+            self.close()
+            ckpt, path = self.run_dir.latest_checkpoint(), self.run_dir.path
+            kept = (f"the checkpoint of iteration {checkpoint.checkpoint_step(ckpt)} is intact" if ckpt
+                    else "no checkpoint was saved yet")
+            raise StopRequested(f"{e}: abandoned iteration {stop.iteration}; {kept}; resume with: "
+                                f"ppo-train --resume {path}") from None
+
     def stop_if_requested(self, stop: runlog.StopSignals, step):
         """SIGTERM / SIGINT arrived during iteration `step`, whose checkpoint is saved, and more were to come:
         StopRequested (exit status 143)."""
@@ -629,11 +692,20 @@ unreachable: a checkpoint is saved, continue with --resume once it is back; 143 
 RESUME_OVERRIDES = ("progress", "reward_url", "reward_timeout_s", "reward_retries")
 
 
+def run_path(cfg, resume):
+    """The run directory this command writes (or would have, for an error found before it was opened): --resume's,
+    --out, else runlog.default_run_path as of now; None before the config is read."""
+    if resume or cfg is None:
+        return resume
+    return cfg.out or runlog.default_run_path(cfg, cfg.policy or DEMO_CHECKPOINTS[cfg.task], datetime.datetime.now())
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + help_text())
         return 0
+    cfg = resume = None
     try:
         own, overrides = parse_cli(argv)
         resume = own.get("resume")
@@ -642,13 +714,17 @@ def main(argv=None):
                 raise ConfigError("--resume takes the run's own config from RUN_DIR/config.json; it cannot be combined "
                                   f"with --config or other keys (only --{', --'.join(RESUME_OVERRIDES)})")
             cfg = build_config(runlog.RunDir.saved_config(resume), overrides)
+            if any("***" in url for url in cfg.reward_url):  # config.json keeps URLs without their credentials
+                raise ConfigError(f"--resume: {resume}/config.json keeps reward_url without its credential "
+                                  f"({', '.join(cfg.reward_url)}); give the URL again: --resume {resume} --reward_url URL")
         else:
             toml_values = load_toml(own["config"]) if "config" in own else {}
             cfg = build_config(toml_values, overrides, own.get("config", ""))
         run(cfg, resume_from=resume)
     except (ConfigError, CheckpointError, RewardError, PromptsError, tracking.TrackingError, runlog.RunDirError,
-            FileNotFoundError) as e:
-        print(f"ppo-train: error: {runlog.log_error(e)}", file=sys.stderr)  # a reward function's traceback: DIR/error.log
+            plan.PlanError, FileNotFoundError) as e:
+        # a reward function's traceback, or that of a user's file that did not import: DIR/error.log
+        print(f"ppo-train: error: {runlog.log_error(e, run_path(cfg, resume))}", file=sys.stderr)
         return 2
     except NonFiniteUpdates as e:
         print(f"ppo-train: error: {e}", file=sys.stderr)

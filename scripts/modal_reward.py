@@ -13,12 +13,19 @@ the middle), and so does
     python -c "import modal; print(modal.Function.from_name('ppo-core-reward', 'serve').get_web_url())"
 Hand it to the trainer as any reward server's URL, e.g. from scripts/modal_train.py:
     URL=https://<workspace>--ppo-core-reward-serve.modal.run
-    curl $URL/health                                                             # up? (a cold start first)
+    curl -H "Authorization: Bearer $PPO_REWARD_API_KEY" $URL/health             # up? (a cold start first)
     modal run scripts/modal_train.py --policy /vol/models/Qwen3-4B --reward_url $URL
 The trainer splits each batch into one request per URL it is given; the same URL listed N times
 (`--reward_url URL,URL,URL,URL`) sends N requests at once, which Modal spreads over up to
 PPO_MODAL_REWARD_MAX_CONTAINERS containers. Modal answers a request that takes over 150 s with a redirect to wait
-on, so keep one request (batch / N samples) well under that, and under the trainer's per-request timeout.
+on, which the trainer does not follow (a redirect could carry its credentials elsewhere: it stops with one line naming
+it), so keep one request (batch / N samples) well under that, and under the trainer's per-request timeout.
+
+The key: the URL is public, and anyone who has it could score on your GPU. Put PPO_REWARD_API_KEY (any long random
+string, e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`) in the Modal Secret named by
+PPO_MODAL_SECRET: the server in each container reads it from its environment and answers 401 to a request without it,
+and ppo-train (scripts/modal_train.py, with the same Secret, or your shell's environment) sends it. Without one, the
+server's log says so on every start. A Modal proxy auth token (PPO_MODAL_REWARD_PROXY_AUTH) can stand in front of it.
 
 Every container runs `python -m ppo_core.reward_server --host 0.0.0.0 --port 8000 <PPO_MODAL_REWARD_ARGS>`: the
 options are ppo-serve-reward's, the same keys as ppo-train's reward options (--reward_model, --reward_fn, --task,
@@ -46,6 +53,7 @@ is imported, locally at `modal deploy` and again in each container, before any a
                                      are set (on Modal: put both in the Secret named by PPO_MODAL_SECRET)
     PPO_MODAL_VOLUME, PPO_MODAL_SECRET   as in scripts/modal_train.py: the Volume with the weights (default
                                      ppo-core) and an optional Modal Secret exposed as environment variables
+                                     (PPO_REWARD_API_KEY in it: the server's key, see above)
 The image sets them in the container too, so that both sides build the same function.
 
 `modal` is an optional extra: the library never imports it, and the pure functions here (`gpu_spec`,
@@ -95,12 +103,16 @@ def gpu_spec(spec: str) -> str:
 
 
 def reward_args(text: str) -> list[str]:
-    """PPO_MODAL_REWARD_ARGS split as a shell would; --host and --port are this script's to set."""
+    """PPO_MODAL_REWARD_ARGS split as a shell would; --host and --port are this script's to set, and the key comes
+    from the Secret, never from here."""
     try:
         args = shlex.split(text)
     except ValueError as e:
         raise ValueError(f"PPO_MODAL_REWARD_ARGS: {e} in {text!r}") from None
     for arg in args:
+        if re.fullmatch(r"--api[_-]key(=.*)?", arg):  # the image's environment, and so Modal's dashboard, would show it
+            raise ValueError("PPO_MODAL_REWARD_ARGS: --api_key would be written into the image; put "
+                             "PPO_REWARD_API_KEY in the Modal Secret named by PPO_MODAL_SECRET instead")
         if re.fullmatch(r"--(host|port)(=.*)?", arg):
             raise ValueError(f"PPO_MODAL_REWARD_ARGS: {arg.split('=')[0]} is set by scripts/modal_reward.py "
                              f"(0.0.0.0:{PORT}); leave it out")

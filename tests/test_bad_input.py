@@ -57,9 +57,9 @@ def test_tokenizer_that_does_not_match_the_model(demo_copy, tmp_path, capsys):
 
 def test_prompt_longer_than_the_context(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("abc=\n" + "x" * 70 + "=\n")
+    prompts.write_text("abc=\n" * 24 + "x" * 70 + "=\n")  # enough rows for SMALL's batch of 16 (and 8 held out)
     err = fail([f"--prompts_file={prompts}", f"--out={tmp_path / 'r'}", *SMALL], capsys)
-    assert "exceeds the model's context of 64 tokens" in err
+    assert f"{prompts}:25: the prompt has 71 tokens" in err and "exceeds the model's context of 64 tokens" in err
 
 
 @pytest.mark.parametrize("body, message", [

@@ -140,7 +140,7 @@ def test_tool_environment_answers_calls_then_scores_the_answer():
     assert observation[0]["content"].startswith("error: malformed tool call") and (reward, done) == (0.0, False)
     assert env.step(" 56088\n") == (None, 1.0, True)
     assert env.counts.pop("tool_s") > 0
-    assert env.counts == {"tool_calls": 2, "malformed_calls": 1, "tool_errors": 0}
+    assert env.counts == {"tool_calls": 2, "malformed_calls": 1, "tool_errors": 0, "calls_not_run": 0}
     env.reset({"prompt": "again", "answer": "56088"})
     assert env.step("56089") == (None, 0.0, True)
 

@@ -223,11 +223,13 @@ def test_a_bad_start_is_one_line_and_exit_2(tmp_path, capsys):
     """ppo-serve-reward's main, in this process: each bad start is one line on stderr and exit status 2."""
     from ppo_core.reward_server import main
 
-    cases = [(["--port=0", "--reward_modle=x"], "unknown config key 'reward_modle' (did you mean 'reward_model'?)"),
+    cases = [(["--port=0", "--reward_modle=x"], "unknown config key 'reward_modle' (did you mean 'reward_model'"),
              (["--port=0", f"--reward_model={tmp_path / 'none'}"], str(tmp_path / "none")),
              (["--port=0", "--reward_url=http://127.0.0.1:1"], "config key 'reward_url' names another reward server"),
-             (["--port=http"], "--port and --max_batch take integers, got 'http' and '256'"),
-             (["--port", "0", "--max_batch=0"], "--port must be in [0, 65535] and --max_batch >= 1, got 0 and 0")]
+             (["--port=http"], "--port takes an integer, got 'http'"),
+             (["--port", "0", "--max_batch=0"], "--max_batch must be >= 1, got 0"),
+             (["--port=0", "--max_body_mb=-1"], "--max_body_mb must be > 0, got -1"),
+             (["--port=0", "--timeout_s", "nan"], "--timeout_s must be > 0, got nan")]
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -209,12 +209,12 @@ def test_run_tool_calls_answers_each_block_and_counts():
                             "error: malformed tool call: bad JSON: Expecting ',' delimiter at line 1 column 23",
                             "error: KeyError: 'missing'",
                             "error: malformed tool call: unclosed <tool_call>"]
-    assert counts == {"tool_calls": 6, "malformed_calls": 2, "tool_errors": 3}
+    assert counts == {"tool_calls": 6, "malformed_calls": 2, "tool_errors": 3, "calls_not_run": 0}
 
 
 def test_run_tool_calls_without_calls():
     assert run_tool_calls("The product is 56088.", {"calculator": Calculator()}) == (
-        [], {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0})
+        [], {"tool_calls": 0, "malformed_calls": 0, "tool_errors": 0, "calls_not_run": 0})
     assert run_tool_calls('<tool_call>{"name": "x"}</tool_call>', {})[0] == ["error: unknown tool 'x' (the tools: none)"]
 
 
@@ -292,7 +292,7 @@ def test_python_tool_arguments_are_checked_through_run_tool_calls():
             '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
     assert run_tool_calls(text, {"python": PythonTool()}) == (
         ["error: missing argument 'code'", "error: argument 'code' must be a string, got an array", "42"],
-        {"tool_calls": 3, "malformed_calls": 0, "tool_errors": 2})
+        {"tool_calls": 3, "malformed_calls": 0, "tool_errors": 2, "calls_not_run": 0})
 
 
 # ------------------------------------------------------------------------------------------- the code reward
