@@ -1,5 +1,6 @@
-"""A rollout from a rollout worker to the trainer: its tensors as messages of their own (ppo_core.rollout_worker's
-send_message) against the same rollout as JSON text (sampled_state's lists, as the checkpoint holds it).
+"""A rollout from a rollout worker to the trainer: its tensors as messages of their own against the same rollout as
+JSON text (sampled_state's lists, as the checkpoint holds it). Both travel by the worker's own protocol,
+ppo_core.rollout_worker's send_message / recv_message: the JSON text as one byte tensor.
 
     python bench/rollout_transport.py                      # 128 and 512 responses of 4096 tokens (~1 min)
     python bench/rollout_transport.py --rows 64 --tokens 1024
@@ -38,20 +39,6 @@ def rollout(rows, tokens, prompt=256):
                    decode_entropy=torch.rand(rows, tokens, generator=g))
 
 
-def send_json(obj, dst):
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    torch_dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst)
-    torch_dist.send(data, dst)
-
-
-def recv_json(src):
-    size = torch.zeros(1, dtype=torch.int64)
-    torch_dist.recv(size, src)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    torch_dist.recv(data, src)
-    return json.loads(bytes(data.numpy()).decode())
-
-
 def worker(rank, args, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -64,12 +51,14 @@ def worker(rank, args, port, results):
             for _ in range(args.repeats + 1):  # the first warms up
                 torch_dist.barrier()
                 start = time.perf_counter()
-                if rank == 0 and transport == "json":
-                    send_json(sampled_state(sampled, group, {}), 1)
+                if rank == 0 and transport == "json":  # the whole rollout as JSON text, its bytes one tensor
+                    text = json.dumps(sampled_state(sampled, group, {})).encode()
+                    send_message(torch.frombuffer(bytearray(text), dtype=torch.uint8), 1)
                 elif rank == 0:
                     send_message(sampled_state(sampled, group, {}, lists=False), 1)
                 else:
-                    state = recv_json(0) if transport == "json" else recv_message(0)
+                    message = recv_message(0)
+                    state = json.loads(bytes(message.numpy())) if transport == "json" else message
                     sampled_from_state(state, "cpu")
                 torch_dist.barrier()
                 times.append(time.perf_counter() - start)

@@ -23,35 +23,23 @@ sampling; ppo-train's evaluation draws other noise and reads 0.3359 / 0.5078). `
 defaults, 60 iterations, 30 s) then reaches 0.9219 greedy / 0.8555 sampled.
 """
 import argparse
-import math
 import os
 import random
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppo_core.generate import generate  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs  # noqa: E402
 from ppo_core.tasks import arith_answer, arith_rewards, eval_prompts, random_arith_prompt  # noqa: E402
 from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from sft import character_tokenizer, right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, EOS = "<pad>", "<eos>"
 CHARACTERS = "0123456789+-=# "
 P_CORRECT = 0.35
 """How often the demonstrator carries and borrows as it should."""
-
-
-def train_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token a character
-    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, EOS], min_frequency=1)
-    tok.train_from_iterator([CHARACTERS] * 4, trainer=trainer)
-    return tok
 
 
 def columns(a: int, b: int) -> list[tuple[int, int]]:
@@ -108,36 +96,9 @@ def main():
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
 
-    tok = train_tokenizer()
+    tok = character_tokenizer(CHARACTERS, special_tokens=[PAD, EOS])
     pad_id, eos_id = tok.token_to_id(PAD), tok.token_to_id(EOS)
-    vocab = tok.get_vocab_size()
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pad_token_id": pad_id,
-        "eos_token_id": eos_id,
-        "bos_token_id": None,
-        "torch_dtype": "float32",
-    }
-    model = CausalLM(ModelArgs.from_hf_config(hf_config))
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    model = tiny_llama(tok.get_vocab_size(), pad_id, eos_id)
     held_out_list = eval_prompts(256, seed=0, task="arith")
     held_out = set(held_out_list)
 
@@ -151,30 +112,14 @@ def main():
             answer_ids = tok.encode(demonstration(prompt, rng, args.p_correct)).ids + [eos_id]
             rows.append(prompt_ids + answer_ids)
             loss_masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
-        T = max(len(r) for r in rows)
-        ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])  # [B, T] right-padded
-        lm = torch.tensor([m + [0] * (T - len(m)) for m in loss_masks], dtype=torch.float32)  # [B, T]
-        attn = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # [B, T]
-        return ids, attn, lm
+        return [right_pad(rows, loss_masks, pad_id)]
 
-    model.train()
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids, attn, loss_mask = batch()
-        logits = model(ids, attn)[:, :-1]  # [B, T-1, V]: predict token t+1 from position t
-        nll = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 250 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  sft loss {loss.item():.4f}  lr {lr:.2e}  [{time.perf_counter() - t0:.0f}s]", flush=True)
+    def held_out_accuracy(step):
         if step % 1000 == 999:
             print(f"    held-out accuracy: greedy {accuracy(model, tok, held_out_list, greedy=True):.4f}, "
                   f"T=1 {accuracy(model, tok, held_out_list, greedy=False):.4f}", flush=True)
+
+    train(model, batch, args.steps, args.lr, log_every=250, after_step=held_out_accuracy)
 
     greedy, sampled = accuracy(model, tok, held_out_list, greedy=True), accuracy(model, tok, held_out_list, greedy=False)
     os.makedirs(args.out, exist_ok=True)

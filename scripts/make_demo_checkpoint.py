@@ -12,31 +12,18 @@
    tokenizer_config.json. Deterministic for a given seed on a given machine.
 """
 import argparse
-import math
 import os
 import random
 import sys
 
 import torch
-import torch.nn.functional as F
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppo_core.model import CausalLM, ModelArgs  # noqa: E402
 from ppo_core.tasks import ALPHABET, SEPARATOR, eval_prompts, random_word  # noqa: E402
 from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from sft import character_tokenizer, right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, EOS = "<pad>", "<eos>"
-
-
-def train_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token a character
-    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, EOS], min_frequency=1)
-    corpus = [ALPHABET + SEPARATOR] * 4
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
 
 
 def demonstration(word: str, rng: random.Random) -> str:
@@ -57,36 +44,9 @@ def main():
     torch.set_num_threads(1)  # a model this small runs fastest on one thread
     rng = random.Random(args.seed)
 
-    tok = train_tokenizer()
+    tok = character_tokenizer(ALPHABET + SEPARATOR, special_tokens=[PAD, EOS])
     pad_id, eos_id = tok.token_to_id(PAD), tok.token_to_id(EOS)
-    vocab = tok.get_vocab_size()
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pad_token_id": pad_id,
-        "eos_token_id": eos_id,
-        "bos_token_id": None,
-        "torch_dtype": "float32",
-    }
-    model = CausalLM(ModelArgs.from_hf_config(hf_config))
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    model = tiny_llama(tok.get_vocab_size(), pad_id, eos_id)
     held_out = set(eval_prompts(256, seed=0))
 
     def batch():
@@ -99,27 +59,9 @@ def main():
             answer = tok.encode(demonstration(w, rng)).ids + [eos_id]
             rows.append(prompt + answer)
             loss_masks.append([0] * len(prompt) + [1] * len(answer))
-        T = max(len(r) for r in rows)
-        ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])
-        lm = torch.tensor([m + [0] * (T - len(m)) for m in loss_masks], dtype=torch.float32)
-        attn = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
-        return ids, attn, lm
+        return [right_pad(rows, loss_masks, pad_id)]
 
-    model.train()
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids, attn, loss_mask = batch()
-        logits = model(ids, attn)[:, :-1]  # predict token t+1 from position t
-        nll = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  sft loss {loss.item():.4f}  lr {lr:.2e}", flush=True)
+    train(model, batch, args.steps, args.lr, log_every=100)
 
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out)

@@ -49,13 +49,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppo_core.model import CausalLM, ModelArgs  # noqa: E402
 from ppo_core.tasks import ALPHABET, SEPARATOR, eval_prompts, random_word, reverse_reward  # noqa: E402
 from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from sft import character_tokenizer, right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARACTERS = ALPHABET + "0123456789=_/:[]| ABS"
@@ -65,15 +63,6 @@ MAX_RESPONSE = 12
 
 POINTWISE_TEMPLATE = "rate {{ prompt }}{{ response }}|"
 PAIRWISE_TEMPLATE = "pick {{ prompt }}A:{{ response_a }} B:{{ response_b }}|"
-
-
-def train_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token a character
-    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, EOS, UNK], min_frequency=1)
-    tok.train_from_iterator([CHARACTERS] * 4, trainer=trainer)
-    return tok
 
 
 # ---------------------------------------------------------------------------------------------- what is judged
@@ -254,38 +243,13 @@ def main():
             print(f"{key:28s} {value:.4f}" if isinstance(value, float) else f"{key:28s} {value}")
         return
     rng = random.Random(args.seed)
-    t0 = time.perf_counter()
 
-    tok = train_tokenizer()
+    tok = character_tokenizer(CHARACTERS, special_tokens=[PAD, EOS, UNK], unk_token=UNK)
     pad_id, eos_id = tok.token_to_id(PAD), tok.token_to_id(EOS)
-    vocab = tok.get_vocab_size()
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.hidden * 8 // 3 // 16 * 16,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.hidden // 16,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 192,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pad_token_id": pad_id,
-        "eos_token_id": eos_id,
-        "bos_token_id": None,
-        "torch_dtype": "float32",
-    }
-    model = CausalLM(ModelArgs.from_hf_config(hf_config))
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    max_positions = 192
+    model = tiny_llama(tok.get_vocab_size(), pad_id, eos_id, hidden_size=args.hidden,
+                       intermediate_size=args.hidden * 8 // 3 // 16 * 16, layers=args.layers,
+                       max_positions=max_positions)
     held_out = set(eval_prompts(256, seed=0))
 
     def batches():
@@ -299,39 +263,19 @@ def main():
         chunks = [rows[i : i + args.batch] for i in range(0, len(rows), args.batch)]
         rng.shuffle(chunks)
         for chunk in chunks:
-            T = max(len(ids) for ids, _ in chunk)
-            ids = torch.tensor([r + [pad_id] * (T - len(r)) for r, _ in chunk])  # [B, T] right-padded
-            lm = torch.tensor([m + [0] * (T - len(m)) for _, m in chunk], dtype=torch.float32)  # [B, T]
-            attn = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r, _ in chunk])  # [B, T]
-            yield ids, attn, lm
+            yield right_pad([ids for ids, _ in chunk], [mask for _, mask in chunk], pad_id)
 
     def endless():
         while True:
             yield from batches()
 
-    model.train()
     stream = endless()
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids, attn, loss_mask = next(stream)
-        logits = model(ids, attn)[:, :-1]  # [B, T-1, V]: predict token t+1 from position t
-        nll = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  sft loss {loss.item():.4f}  lr {lr:.2e}  [{time.perf_counter() - t0:.0f}s]",
-                  flush=True)
-    train_s = time.perf_counter() - t0
+    _, train_s = train(model, lambda: [next(stream)], args.steps, args.lr, log_every=100)
 
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out)
     PPOTokenizer(tok, {"eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
-                       "model_max_length": hf_config["max_position_embeddings"]}).save_pretrained(args.out)
+                       "model_max_length": max_positions}).save_pretrained(args.out)
     for name, template in (("pointwise.jinja", POINTWISE_TEMPLATE), ("pairwise.jinja", PAIRWISE_TEMPLATE)):
         with open(os.path.join(args.out, name), "w", encoding="utf-8") as f:
             f.write(template)

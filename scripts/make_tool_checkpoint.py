@@ -46,7 +46,6 @@ with the same logits and renders the same template.
 """
 import argparse
 import json
-import math
 import os
 import random
 import string
@@ -54,16 +53,15 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppo_core.engine import RolloutEngine  # noqa: E402
 from ppo_core.environments import ToolEnvironment, run_episodes  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs  # noqa: E402
 from ppo_core.tasks import ToolmulStream, toolmul_rows  # noqa: E402
 from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
 from ppo_core.tools import TOOL_CALL_END, TOOL_CALL_START, Calculator  # noqa: E402
+from sft import right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHARACTERS = "\n" + "".join(c for c in string.printable if c not in "\t\r\x0b\x0c\n")  # newline, then ' ' .. '~'
@@ -164,40 +162,13 @@ def main():
     torch.set_num_threads(1)  # a model this small runs fastest on one thread
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
-    eval_s = 0.0  # seconds spent evaluating, left out of the training time
 
     tok = build_tokenizer()
-    vocab = tok.vocab_size
     for messages in (demonstration({"prompt": "123*456"}, random.Random(s)) for s in range(8)):  # both shapes
         ids, _ = encode_conversation(tok, messages)
         assert ids == tok.apply_chat_template(messages), "the pieces must be the template's own rendering"
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 128,  # a 26-token prompt + MAX_NEW_TOKENS
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pad_token_id": tok.pad_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "bos_token_id": None,
-        "torch_dtype": "float32",
-    }
-    model = CausalLM(ModelArgs.from_hf_config(hf_config))
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    # max_positions: a 26-token prompt + MAX_NEW_TOKENS
+    model = tiny_llama(tok.vocab_size, tok.pad_token_id, tok.eos_token_id, max_positions=128)
     held_out = toolmul_rows(256, seed=HELD_OUT_SEED)
     stream = ToolmulStream(args.seed, [r["prompt"] for r in toolmul_rows(HELD_OUT_RESERVED, seed=HELD_OUT_SEED)])
 
@@ -205,39 +176,18 @@ def main():
         """Two padded batches, the conversations with a tool call (~120 tokens) and those without (~33): padding them
         together would spend most of the step on padding."""
         conversations = [demonstration(row, rng, args.p_tool) for row in stream.next_batch(args.batch)]
+        batches = []
         for group in ([c for c in conversations if len(c) > 2], [c for c in conversations if len(c) == 2]):
-            if not group:
-                continue
-            encoded = [encode_conversation(tok, c) for c in group]
-            T = max(len(ids) for ids, _ in encoded)
-            ids = torch.tensor([e + [tok.pad_token_id] * (T - len(e)) for e, _ in encoded])  # [b, T] right-padded
-            loss_mask = torch.tensor([m + [0] * (T - len(m)) for _, m in encoded], dtype=torch.float32)  # [b, T]
-            attn = torch.tensor([[1] * len(e) + [0] * (T - len(e)) for e, _ in encoded])  # [b, T]
-            yield ids, attn, loss_mask
+            if group:
+                encoded = [encode_conversation(tok, c) for c in group]
+                batches.append(right_pad([ids for ids, _ in encoded], [mask for _, mask in encoded], tok.pad_token_id))
+        return batches
 
-    model.train()
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        nll_sum, n_tokens = 0.0, 0.0
-        for ids, attn, loss_mask in batch():
-            logits = model(ids, attn)[:, :-1]  # [b, T-1, V]: predict token t+1 from position t
-            nll = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="none")
-            nll_sum = nll_sum + (nll * loss_mask[:, 1:].reshape(-1)).sum()
-            n_tokens += loss_mask[:, 1:].sum().item()
-        loss = nll_sum / n_tokens  # the mean over the step's policy tokens, as one padded batch would give
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 250 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  sft loss {loss.item():.4f}  lr {lr:.2e}  [{time.perf_counter() - t0:.0f}s]", flush=True)
+    def held_out_evaluation(step):
         if args.eval_every and step % args.eval_every == args.eval_every - 1 and step != args.steps - 1:
-            t_eval = time.perf_counter()
             print(f"    held-out, sampled at T=1: {summary(evaluate(model, tok, held_out, greedy=False))}", flush=True)
-            eval_s += time.perf_counter() - t_eval
-    train_s = time.perf_counter() - t0 - eval_s
+
+    loss, train_s = train(model, batch, args.steps, args.lr, log_every=250, after_step=held_out_evaluation)
 
     greedy, sampled = evaluate(model, tok, held_out, greedy=True), evaluate(model, tok, held_out, greedy=False)
     os.makedirs(args.out, exist_ok=True)
@@ -246,7 +196,7 @@ def main():
     print(f"held-out ({len(held_out)} rows), greedy: {summary(greedy)}")
     print(f"held-out ({len(held_out)} rows), sampled at T=1: {summary(sampled)}")
     print(f"wrote {os.path.abspath(args.out)} ({model.num_parameters() / 1e6:.2f}M parameters): "
-          f"{args.steps} steps in {train_s:.0f}s of training, final SFT loss {loss.item():.4f}, "
+          f"{args.steps} steps in {train_s:.0f}s of training, final SFT loss {loss:.4f}, "
           f"{time.perf_counter() - t0:.0f}s in all")
 
 

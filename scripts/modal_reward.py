@@ -64,23 +64,20 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 import time
-from pathlib import Path
 
 try:
     import modal
 except ModuleNotFoundError:  # the pure functions below stay importable and testable without Modal
     modal = None
 
-REPO = Path(__file__).resolve().parent.parent
-VOLUME_PATH = "/vol"
-SOURCE_PATH = "/root/src"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import modal_common  # noqa: E402  (scripts/modal_common.py: the same image as scripts/modal_train.py, built once)
+from modal_common import VOLUME_PATH  # noqa: E402
+
 PORT = 8000
 STARTUP_TIMEOUT_S = 15 * 60  # a cold start: CUDA, then the weights from the Volume (16 GB for an 8B model in bf16)
-# The same image as scripts/modal_train.py (tests/test_modal_reward.py checks), so Modal builds it once for both
-CUDA_IMAGE = "nvidia/cuda:12.8.1-devel-ubuntu22.04"
-TORCH = "torch==2.13.0"
-REQUIREMENTS = ["safetensors>=0.4", "tokenizers>=0.19", "numpy>=1.24", "jinja2>=3.1", "tqdm>=4.60"]
 
 
 # ---------------------------------------------------------------------------- pure functions
@@ -169,26 +166,16 @@ if MIN_CONTAINERS > MAX_CONTAINERS:
 
 if modal is not None:
     app = modal.App(APP_NAME)
-    image = (
-        modal.Image.from_registry(CUDA_IMAGE, add_python="3.11")
-        .apt_install("build-essential")
-        .pip_install(TORCH, *REQUIREMENTS)
-        # the same settings in the container, so that its import builds the same function
-        .env({"PYTHONPATH": SOURCE_PATH, "TOKENIZERS_PARALLELISM": "false", "PPO_MODAL_REWARD_GPU": GPU,
-              "PPO_MODAL_REWARD_ARGS": shlex.join(REWARD_ARGS), "PPO_MODAL_REWARD_MIN_CONTAINERS": str(MIN_CONTAINERS),
-              "PPO_MODAL_REWARD_MAX_CONTAINERS": str(MAX_CONTAINERS), "PPO_MODAL_REWARD_CONCURRENCY": str(CONCURRENCY),
-              "PPO_MODAL_REWARD_SCALEDOWN_S": str(SCALEDOWN_S), "PPO_MODAL_REWARD_PROXY_AUTH": str(int(PROXY_AUTH)),
-              "PPO_MODAL_REWARD_APP": APP_NAME, "PPO_MODAL_VOLUME": VOLUME_NAME, "PPO_MODAL_SECRET": SECRET_NAME})
-        .workdir(SOURCE_PATH)
-        # mounted at container start (no rebuild when the code changes), under the import names setup.py gives
-        .add_local_dir(REPO / "ppo_core", f"{SOURCE_PATH}/ppo_core", ignore=["**/__pycache__"])
-        .add_local_dir(REPO / "kernels", f"{SOURCE_PATH}/ppo_kernels", ignore=["**/__pycache__"])
-        .add_local_dir(REPO / "configs", f"{SOURCE_PATH}/configs")
-    )
+    # the same settings in the container, so that its import builds the same function
+    image = modal_common.image({
+        "PPO_MODAL_REWARD_GPU": GPU, "PPO_MODAL_REWARD_ARGS": shlex.join(REWARD_ARGS),
+        "PPO_MODAL_REWARD_MIN_CONTAINERS": str(MIN_CONTAINERS), "PPO_MODAL_REWARD_MAX_CONTAINERS": str(MAX_CONTAINERS),
+        "PPO_MODAL_REWARD_CONCURRENCY": str(CONCURRENCY), "PPO_MODAL_REWARD_SCALEDOWN_S": str(SCALEDOWN_S),
+        "PPO_MODAL_REWARD_PROXY_AUTH": str(int(PROXY_AUTH)), "PPO_MODAL_REWARD_APP": APP_NAME,
+        "PPO_MODAL_VOLUME": VOLUME_NAME, "PPO_MODAL_SECRET": SECRET_NAME})
     # Read-only: the server only reads weights, and the same Volume holds the training runs and their checkpoints.
     # Not created here: a missing Volume would have no weights on it either.
-    volume = modal.Volume.from_name(VOLUME_NAME)
-    volume = volume.with_mount_options(read_only=True) if hasattr(volume, "with_mount_options") else volume.read_only()
+    volume = modal_common.read_only(modal.Volume.from_name(VOLUME_NAME))
 
     def serve():
         """Runs once as each container starts: the server in the background; Modal then proxies the URL to it."""

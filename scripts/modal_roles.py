@@ -71,29 +71,25 @@ the hostname resolves to; if that is not the i6pn address, set GLOO_SOCKET_IFNAM
 without it.
 """
 import os
-import re
 import shlex
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 try:
     import modal
 except ModuleNotFoundError:  # the pure functions below stay importable and testable without Modal
     modal = None
 
-REPO = Path(__file__).resolve().parent.parent
-VOLUME_PATH = "/vol"
-SOURCE_PATH = "/root/src"
-MASTER_PORT = 29500
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# scripts/modal_common.py: the same image as scripts/modal_train.py (Modal builds its layers once for both), the same
+# paths and port, the same run directory rule
+import modal_common  # noqa: E402
+from modal_common import MASTER_PORT, VOLUME_PATH, gpu_count, with_run_dir  # noqa: E402
+
 STOP_GRACE_S = 30  # as torchrun: SIGTERM to the processes left, SIGKILL to those still running after this long
 POLL_S = 1.0  # how often the processes (and the other container) are looked at
-# The same image as scripts/modal_train.py (tests/test_modal_roles.py checks), so Modal builds its layers once for both
-CUDA_IMAGE = "nvidia/cuda:12.8.1-devel-ubuntu22.04"  # -devel: a compiler and the CUDA toolkit for Triton's JIT
-TORCH = "torch==2.13.0"
-REQUIREMENTS = ["safetensors>=0.4", "tokenizers>=0.19", "numpy>=1.24", "jinja2>=3.1", "tqdm>=4.60"]
 
 TRAIN_GPU = os.environ.get("PPO_MODAL_TRAIN_GPU", "H100:8")
 ROLLOUT_GPU = os.environ.get("PPO_MODAL_ROLLOUT_GPU", "H100:4")
@@ -104,21 +100,6 @@ RETRIES = int(os.environ.get("PPO_MODAL_RETRIES", "3"))
 
 
 # ---------------------------------------------------------------------------- pure functions
-
-def gpu_count(spec: str, variable: str) -> int:
-    """GPUs in a Modal GPU spec: "H100:8" -> 8, "L40S" -> 1; ValueError naming the environment variable."""
-    match = re.fullmatch(r"([A-Za-z0-9-]+!?)(?::(\d+))?", spec)
-    if not match or (match.group(2) is not None and not 1 <= int(match.group(2)) <= 8):
-        raise ValueError(f"{variable} must look like H100:8 or L40S:4 (1 to 8 GPUs), got {spec!r}")
-    return int(match.group(2) or 1)
-
-
-def with_run_dir(train_args, run_name) -> list[str]:
-    """train_args with `--out` on the Volume: the caller's own `--out`, else /vol/runs/<run_name>."""
-    if any(arg == "--out" or arg.startswith("--out=") for arg in train_args):
-        return list(train_args)
-    return [*train_args, f"--out={VOLUME_PATH}/runs/{run_name}"]
-
 
 def with_rollout_ranks(train_args, workers) -> list[str]:
     """train_args with `--rollout_ranks=workers`: the last `workers` processes of the job are the rollout workers. A
@@ -262,23 +243,12 @@ ROLLOUT_GPUS = gpu_count(ROLLOUT_GPU, "PPO_MODAL_ROLLOUT_GPU")
 
 if modal is not None:
     app = modal.App("ppo-core-roles")
-    image = (
-        modal.Image.from_registry(CUDA_IMAGE, add_python="3.11")
-        .apt_install("build-essential")
-        .pip_install(TORCH, *REQUIREMENTS)
-        # the same settings in the container, so that its import builds the same functions
-        .env({"PYTHONPATH": SOURCE_PATH, "TOKENIZERS_PARALLELISM": "false", "PPO_MODAL_TRAIN_GPU": TRAIN_GPU,
-              "PPO_MODAL_ROLLOUT_GPU": ROLLOUT_GPU, "PPO_MODAL_REGION": REGION, "PPO_MODAL_VOLUME": VOLUME_NAME,
-              "PPO_MODAL_SECRET": SECRET_NAME, "PPO_MODAL_RETRIES": str(RETRIES)})
-        .workdir(SOURCE_PATH)
-        # mounted at container start (no rebuild when the code changes), under the import names setup.py gives
-        .add_local_dir(REPO / "ppo_core", f"{SOURCE_PATH}/ppo_core", ignore=["**/__pycache__"])
-        .add_local_dir(REPO / "kernels", f"{SOURCE_PATH}/ppo_kernels", ignore=["**/__pycache__"])
-        .add_local_dir(REPO / "configs", f"{SOURCE_PATH}/configs")
-    )
+    # the same settings in the container, so that its import builds the same functions
+    image = modal_common.image({"PPO_MODAL_TRAIN_GPU": TRAIN_GPU, "PPO_MODAL_ROLLOUT_GPU": ROLLOUT_GPU,
+                                "PPO_MODAL_REGION": REGION, "PPO_MODAL_VOLUME": VOLUME_NAME,
+                                "PPO_MODAL_SECRET": SECRET_NAME, "PPO_MODAL_RETRIES": str(RETRIES)})
     volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
-    read_only = (volume.with_mount_options(read_only=True) if hasattr(volume, "with_mount_options")
-                 else volume.read_only())
+    read_only = modal_common.read_only(volume)
     secrets = [modal.Secret.from_name(SECRET_NAME)] if SECRET_NAME else []
 
     def rollout(master_addr: str, master_port: int, trainer_ranks: int, train_args: list[str]) -> int:

@@ -36,26 +36,19 @@ Secrets reach the trainer only as environment variables; nothing here prints the
 `torchrun_args`, `with_run_dir`, `launch`) import and run without it.
 """
 import os
-import re
 import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 try:
     import modal
 except ModuleNotFoundError:  # the pure functions below stay importable and testable without Modal
     modal = None
 
-REPO = Path(__file__).resolve().parent.parent
-VOLUME_PATH = "/vol"
-SOURCE_PATH = "/root/src"
-MASTER_PORT = 29500
-CUDA_IMAGE = "nvidia/cuda:12.8.1-devel-ubuntu22.04"  # -devel: a compiler and the CUDA toolkit for Triton's JIT
-TORCH = "torch==2.13.0"
-# ppo-core's install_requires (setup.py); the source itself is mounted at container start, not installed
-REQUIREMENTS = ["safetensors>=0.4", "tokenizers>=0.19", "numpy>=1.24", "jinja2>=3.1", "tqdm>=4.60"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import modal_common  # noqa: E402  (scripts/modal_common.py: the image, the paths, the run directory rule)
+from modal_common import MASTER_PORT, VOLUME_PATH, gpu_count, with_run_dir  # noqa: E402
 
 GPU = os.environ.get("PPO_MODAL_GPU", "H100:8")
 NODES = int(os.environ.get("PPO_MODAL_NODES", "1"))
@@ -66,14 +59,6 @@ RETRIES = int(os.environ.get("PPO_MODAL_RETRIES", "3"))
 
 # ---------------------------------------------------------------------------- pure functions
 
-def gpu_count(spec: str) -> int:
-    """GPUs per container in a Modal GPU spec: "H100:8" -> 8, "A100-80GB" -> 1."""
-    match = re.fullmatch(r"([A-Za-z0-9-]+!?)(?::(\d+))?", spec)
-    if not match or (match.group(2) is not None and not 1 <= int(match.group(2)) <= 8):
-        raise ValueError(f"PPO_MODAL_GPU must look like H100:8 or A100-80GB:8 (1 to 8 GPUs), got {spec!r}")
-    return int(match.group(2) or 1)
-
-
 def torchrun_args(nodes, gpus_per_node, node_rank, master_addr, train_args, master_port=MASTER_PORT) -> list[str]:
     """The torchrun command for this node: the normal entry point, `python -m ppo_core.train`, on every GPU."""
     if nodes == 1:
@@ -82,13 +67,6 @@ def torchrun_args(nodes, gpus_per_node, node_rank, master_addr, train_args, mast
         launcher = [f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--node-rank={node_rank}",
                     f"--master-addr={master_addr}", f"--master-port={master_port}"]
     return ["torchrun", *launcher, "-m", "ppo_core.train", *train_args]
-
-
-def with_run_dir(train_args, run_name) -> list[str]:
-    """train_args with `--out` on the Volume: the caller's own `--out`, else /vol/runs/<run_name>."""
-    if any(arg == "--out" or arg.startswith("--out=") for arg in train_args):
-        return list(train_args)
-    return [*train_args, f"--out={VOLUME_PATH}/runs/{run_name}"]
 
 
 def launch(train_args, nodes, gpus_per_node, discover_cluster, run_command) -> int:
@@ -120,26 +98,15 @@ def run_subprocess(argv) -> int:
 
 # ---------------------------------------------------------------------------- the Modal App (needs modal)
 
-GPUS_PER_NODE = gpu_count(GPU)
+GPUS_PER_NODE = gpu_count(GPU, "PPO_MODAL_GPU")
 if NODES < 1 or (NODES > 1 and GPUS_PER_NODE != 8):
     raise ValueError(f"PPO_MODAL_NODES={NODES} with PPO_MODAL_GPU={GPU}: a cluster node takes all 8 GPUs of its host")
 
 if modal is not None:
     app = modal.App("ppo-core")
-    image = (
-        modal.Image.from_registry(CUDA_IMAGE, add_python="3.11")
-        .apt_install("build-essential")
-        .pip_install(TORCH, *REQUIREMENTS)
-        # the same settings in the container, so that its import builds the same function
-        .env({"PYTHONPATH": SOURCE_PATH, "TOKENIZERS_PARALLELISM": "false", "PPO_MODAL_GPU": GPU,
-              "PPO_MODAL_NODES": str(NODES), "PPO_MODAL_VOLUME": VOLUME_NAME, "PPO_MODAL_SECRET": SECRET_NAME,
-              "PPO_MODAL_RETRIES": str(RETRIES)})
-        .workdir(SOURCE_PATH)
-        # mounted at container start (no rebuild when the code changes), under the import names setup.py gives
-        .add_local_dir(REPO / "ppo_core", f"{SOURCE_PATH}/ppo_core", ignore=["**/__pycache__"])
-        .add_local_dir(REPO / "kernels", f"{SOURCE_PATH}/ppo_kernels", ignore=["**/__pycache__"])
-        .add_local_dir(REPO / "configs", f"{SOURCE_PATH}/configs")
-    )
+    # the same settings in the container, so that its import builds the same function
+    image = modal_common.image({"PPO_MODAL_GPU": GPU, "PPO_MODAL_NODES": str(NODES), "PPO_MODAL_VOLUME": VOLUME_NAME,
+                                "PPO_MODAL_SECRET": SECRET_NAME, "PPO_MODAL_RETRIES": str(RETRIES)})
     volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 
     def train(train_args: list[str]) -> int:

@@ -91,12 +91,11 @@ def test_server_command(monkeypatch):
 
 
 def test_the_image_is_modal_trains(monkeypatch):
-    """One image definition for both apps: the same CUDA image, torch and requirements (Modal builds it once)."""
+    """One image definition for both apps, scripts/modal_common.py's (Modal builds it once), and the same Volume."""
     reward = load_script(monkeypatch)
     train = load_script(monkeypatch, os.path.join(ROOT, "scripts", "modal_train.py"), "modal_train_under_test")
-    assert (reward.CUDA_IMAGE, reward.TORCH, reward.REQUIREMENTS) == (train.CUDA_IMAGE, train.TORCH, train.REQUIREMENTS)
-    assert (reward.VOLUME_PATH, reward.SOURCE_PATH, reward.VOLUME_NAME) == (train.VOLUME_PATH, train.SOURCE_PATH,
-                                                                            train.VOLUME_NAME)
+    assert reward.modal_common is train.modal_common
+    assert (reward.VOLUME_PATH, reward.VOLUME_NAME) == (train.VOLUME_PATH, train.VOLUME_NAME)
 
 
 # ---------------------------------------------------------------------------- start-up, with real processes

@@ -76,10 +76,11 @@ def test_a_bad_spec_stops_the_import_naming_its_variable(monkeypatch, variable):
 
 
 def test_the_image_and_the_run_directory_are_modal_train_s(monkeypatch, roles):
-    """Duplicated from scripts/modal_train.py rather than imported (importing it would define its App too): the same
-    image (Modal builds its layers once for both), paths and port, and the same run directory rule."""
+    """Both from scripts/modal_common.py: the same image (Modal builds its layers once for both), paths and port, and
+    the same run directory rule."""
     single = load_script(monkeypatch, path=os.path.join(ROOT, "scripts", "modal_train.py"), name="modal_train_beside")
-    for name in ("CUDA_IMAGE", "TORCH", "REQUIREMENTS", "VOLUME_PATH", "SOURCE_PATH", "MASTER_PORT"):
+    assert roles.modal_common is single.modal_common
+    for name in ("VOLUME_PATH", "MASTER_PORT"):
         assert getattr(roles, name) == getattr(single, name), name
     for args in (["--lr=1e-6"], ["--out", "/vol/runs/mine"], ["--out=/vol/runs/mine"]):
         assert roles.with_run_dir(args, "20261202-120000") == single.with_run_dir(args, "20261202-120000")
