@@ -1,8 +1,11 @@
-"""The PPO clipped policy loss in one pass, and fused with the LM-head projection (linear_policy_loss).
+"""The token-level policy losses in one pass, and fused with the LM-head projection (linear_policy_loss).
 
     r = exp(clamp(logp - old_logp, -20, 20))
+    loss_kind "ppo":
     L_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            (Schulman et al. 2017)
     L_t = min(L_t, dual_clip * |A|)  for A < 0, with dual_clip           (Ye et al. 2020)
+    loss_kind "cispo":
+    L_t = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp,  dL_t/dlogp = -clip(r) A   (MiniMax-M1 2025)
     L_t += kl_coef * KL_t(logp, ref_logp),  KL one of k1 / k2 / k3        (Schulman, "Approximating KL")
         k1 = logp - ref,   k2 = 1/2 (logp - ref)^2,
         k3 = clamp(exp(x) - x - 1, -10, 10),  x = clamp(ref - logp, -20, 20)   (verl's "low_var_kl")
@@ -15,6 +18,10 @@ at +-K3_CLAMP (10, only the upper bound can bind: k3 >= 0) bound the KL term of 
 from the reference's, as verl's core_algos.kl_penalty does. Where a clamp is strictly active the term passes no
 gradient.
 
+A loss kind fuses here when each token's loss and its gradient are functions of (logp, old_logp, A) alone: both
+paths compute them in one elementwise branch on loss_kind (LOSS_KINDS; `ppo_core.algo.policy_loss_function` has
+each kind's reference). GSPO, whose ratio spans a sequence, is not one.
+
 Every aggregation mode of `ppo_core.algo.aggregate` is linear in L, so it is a weighted sum with per-token
 weights w that depend on the mask alone (`_token_weights`). The loss is a scalar, so dloss/dlogp_t = w_t dL_t/dlogp_t
 is known in the forward: both paths compute it there, with the same tie rules as torch autograd
@@ -25,8 +32,8 @@ linear_policy_loss adds its gradient per logit, dloss/dz_tv += -entropy_coef w_t
 dH_t/dz_tv = -p_tv (log p_tv + H_t) (z_t = h_t W^T / T), to the log-prob term's while the logits are on hand.
 
 In this file:
-  - `policy_loss_reference`: `ppo_core.algo.policy_loss` plus the KL term through `algo.kl_estimate` and
-    `algo.aggregate`: the plain PyTorch the others are tested against.
+  - `policy_loss_reference`: `ppo_core.algo.policy_loss` (or `algo.cispo_policy_loss`) plus the KL term through
+    `algo.kl_estimate` and `algo.aggregate`: the plain PyTorch the others are tested against.
   - `_policy_loss_kernel` (Triton): one pass over the tokens: loss, gradient and the stats' partial sums.
   - `_loss_terms_torch`: the same closed form in torch (CPU, and inside linear_policy_loss).
   - `linear_policy_loss`: log-probs (and entropies) from hidden states and the LM head, then the loss, in one
@@ -59,6 +66,7 @@ except ImportError:
     triton = None
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_KINDS = ("ppo", "cispo")  # the token-level losses fused here (loss_kind), of ppo_core.algo.POLICY_LOSS_KINDS
 KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # |log r| and |x| of k3 are clamped here (exp(20) ~ 4.9e8: finite in fp32)
 K3_CLAMP = 10.0  # k3 is clamped to [-K3_CLAMP, K3_CLAMP] (verl's low_var_kl); k3 >= 0, so only the top binds
@@ -73,12 +81,15 @@ TRITON_LOSS_CHUNK_ELEMENTS = 1 << 26
 
 def policy_loss_reference(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
                           agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *,
-                          ref_logp=None, kl_coef=0.0, kl_kind="k3"):
-    """ppo_core.algo.policy_loss, plus kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)) when kl_coef != 0."""
+                          ref_logp=None, kl_coef=0.0, kl_kind="k3", loss_kind="ppo"):
+    """loss_kind's ppo_core.algo function (algo.policy_loss, algo.cispo_policy_loss), plus
+    kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)) when kl_coef != 0."""
     from ppo_core import algo
 
-    loss, stats = algo.policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
-                                   num_tokens, num_seqs, norm_const)
+    if loss_kind not in LOSS_KINDS:
+        raise ValueError(f"loss_kind must be one of {LOSS_KINDS}, got {loss_kind!r}")
+    loss, stats = algo.policy_loss_function(loss_kind)(logp, old_logp, advantages, mask, clip_low, clip_high,
+                                                       dual_clip, agg, num_tokens, num_seqs, norm_const)
     if kl_coef != 0.0:
         kl = algo.kl_estimate(logp, ref_logp, kl_kind)
         loss = loss + kl_coef * algo.aggregate(kl, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -90,7 +101,7 @@ def policy_loss_reference(logp, old_logp, advantages, mask, clip_low=0.2, clip_h
 def linear_policy_loss_reference(hidden, weight, labels, old_logp, advantages, mask, *, temperature=1.0,
                                  clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None,
                                  kl_coef=0.0, kl_kind="k3", entropy_coef=0.0, num_tokens=None, num_seqs=None,
-                                 norm_const=None):
+                                 norm_const=None, loss_kind="ppo"):
     """The naive path: full logits, log-softmax + gather (and the entropy), then policy_loss_reference.
 
     With entropy_coef != 0 the loss subtracts entropy_coef * aggregate(H, mask, agg), H [like mask] the entropy of
@@ -106,7 +117,7 @@ def linear_policy_loss_reference(hidden, weight, labels, old_logp, advantages, m
                                                                 return_entropy=True)
     loss, stats = policy_loss_reference(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
                                         num_tokens, num_seqs, norm_const, ref_logp=ref_logp, kl_coef=kl_coef,
-                                        kl_kind=kl_kind)
+                                        kl_kind=kl_kind, loss_kind=loss_kind)
     if entropy_coef != 0.0:
         # loss -= entropy_coef * aggregate(H, mask, agg)   (entropy bonus, Schulman et al. 2017, eq. 9)
         loss = loss - entropy_coef * algo.aggregate(entropy, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -141,7 +152,12 @@ def _token_weights(mask, agg, num_tokens, num_seqs, norm_const, dtype):
     return mask / (seqs * (mask.shape[-1] if norm_const is None else norm_const))
 
 
-def _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp):
+def _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp, loss_kind):
+    if loss_kind not in LOSS_KINDS:
+        raise ValueError(f"loss_kind must be one of {LOSS_KINDS}, got {loss_kind!r}")
+    if loss_kind == "cispo" and dual_clip is not None:
+        raise ValueError(f"dual_clip does not apply to loss_kind 'cispo' (its weight is clipped already), "
+                         f"got {dual_clip}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
     if kl_kind not in KL_KINDS:
@@ -161,7 +177,8 @@ if triton is not None:
         grad_ptr,  # [N] fp32 out: dloss / dlogp
         partials_ptr,  # [n_blocks, 8] fp32 out: loss, clip, dual, approx_kl, ratio, max |r - 1|, kl, (unused)
         N, clip_low, clip_high, dual_clip, kl_coef,
-        HAS_DUAL: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr, BLOCK: tl.constexpr,
+        LOSS_KIND: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         block = tl.program_id(0)
         offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -177,23 +194,29 @@ if triton is not None:
         log_ratio = tl.minimum(tl.maximum(raw, -20.0), 20.0)
         in_clamp = tl.where((raw >= -20.0) & (raw <= 20.0), 1.0, 0.0)  # clamp's gradient (closed interval)
         ratio = tl.exp(log_ratio)
-        # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
-        pg1 = -adv * ratio
-        pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-        in_clip = tl.where((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high), 1.0, 0.0)
-        d1 = pg1 * in_clamp  # d(-A r)/dlogp = -A r
-        d2 = pg1 * in_clip * in_clamp
-        pg = tl.maximum(pg1, pg2)
-        dpg = tl.where(pg1 > pg2, d1, tl.where(pg1 == pg2, 0.5 * (d1 + d2), d2))  # torch.maximum's tie rule
-        clipped = tl.where(real & (pg2 > pg1), m, 0.0)
         dual = tl.zeros((BLOCK,), dtype=tl.float32)
-        if HAS_DUAL:
-            # for A < 0: L = min(L^CLIP, -A c)
-            pg3 = -adv * dual_clip
-            negative = adv < 0
-            dual = tl.where(real & negative & (pg > pg3), m, 0.0)
-            dpg = tl.where(negative, tl.where(pg < pg3, dpg, tl.where(pg == pg3, 0.5 * dpg, 0.0)), dpg)
-            pg = tl.where(negative, tl.minimum(pg, pg3), pg)
+        if LOSS_KIND == 2:  # cispo
+            # L = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp:  dL/dlogp = -A clip(r), no gradient through r
+            dpg = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+            pg = dpg * logp
+            clipped = tl.where(real & ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)), m, 0.0)
+        else:  # ppo
+            # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+            pg1 = -adv * ratio
+            pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+            in_clip = tl.where((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high), 1.0, 0.0)
+            d1 = pg1 * in_clamp  # d(-A r)/dlogp = -A r
+            d2 = pg1 * in_clip * in_clamp
+            pg = tl.maximum(pg1, pg2)
+            dpg = tl.where(pg1 > pg2, d1, tl.where(pg1 == pg2, 0.5 * (d1 + d2), d2))  # torch.maximum's tie rule
+            clipped = tl.where(real & (pg2 > pg1), m, 0.0)
+            if HAS_DUAL:
+                # for A < 0: L = min(L^CLIP, -A c)
+                pg3 = -adv * dual_clip
+                negative = adv < 0
+                dual = tl.where(real & negative & (pg > pg3), m, 0.0)
+                dpg = tl.where(negative, tl.where(pg < pg3, dpg, tl.where(pg == pg3, 0.5 * dpg, 0.0)), dpg)
+                pg = tl.where(negative, tl.minimum(pg, pg3), pg)
         loss_t = pg
         dloss_t = dpg
         kl = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -255,7 +278,7 @@ if triton is not None:
         tl.store(dz_ptr + row * V + cols, dz.to(dz_ptr.dtype.element_ty), mask=inb)
 
 
-def _loss_terms_triton(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind):
+def _loss_terms_triton(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind, loss_kind):
     # flat [N] fp32 inputs. Returns (loss, dloss/dlogp [N], stats sums [7]: as the kernel's partials).
     N = logp.numel()
     block = 1024
@@ -266,38 +289,45 @@ def _loss_terms_triton(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_c
     _policy_loss_kernel[(n_blocks,)](
         logp, old, adv, w, mask, ref if has_kl else logp, grad, partials,
         N, float(clip_low), float(clip_high), float(dual_clip or 0.0), float(kl_coef),
-        HAS_DUAL=dual_clip is not None, HAS_KL=has_kl, KL_KIND=KL_KINDS.index(kl_kind) + 1, BLOCK=block,
+        LOSS_KIND=LOSS_KINDS.index(loss_kind) + 1, HAS_DUAL=dual_clip is not None, HAS_KL=has_kl,
+        KL_KIND=KL_KINDS.index(kl_kind) + 1, BLOCK=block,
     )
     sums = partials[:, :7].sum(0)  # fixed order: deterministic
     sums[5] = partials[:, 5].max()
     return sums[0], grad, sums[1:]
 
 
-def _loss_terms_torch(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind):
+def _loss_terms_torch(logp, old, adv, w, mask, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind, loss_kind):
     """The kernel's math in torch, on any shape. Returns (loss, dloss/dlogp, stats sums [6])."""
     real = mask != 0
     raw = logp - old
     log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    in_clamp = ((raw >= -LOG_RATIO_CLAMP) & (raw <= LOG_RATIO_CLAMP)).to(logp.dtype)
     ratio = torch.exp(log_ratio)
-    # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    in_clip = ((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)).to(logp.dtype)
-    d1 = pg1 * in_clamp  # d(-A r)/dlogp = -A r
-    d2 = d1 * in_clip
-    pg = torch.maximum(pg1, pg2)
-    dpg = torch.where(pg1 > pg2, d1, torch.where(pg1 == pg2, 0.5 * (d1 + d2), d2))  # torch.maximum's tie rule
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    clipped = torch.where(real & (pg2 > pg1), mask, zero).sum()
     dual = zero
-    if dual_clip is not None:
-        # for A < 0: L = min(L^CLIP, -A c)
-        pg3 = -adv * dual_clip
-        negative = adv < 0
-        dual = torch.where(real & negative & (pg > pg3), mask, zero).sum()
-        dpg = torch.where(negative, torch.where(pg < pg3, dpg, torch.where(pg == pg3, 0.5 * dpg, zero)), dpg)
-        pg = torch.where(negative, torch.minimum(pg, pg3), pg)
+    if loss_kind == "cispo":
+        # L = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp:  dL/dlogp = -A clip(r), no gradient through r
+        dpg = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        pg = dpg * logp
+        clipped = torch.where(real & ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)), mask, zero).sum()
+    else:  # ppo
+        in_clamp = ((raw >= -LOG_RATIO_CLAMP) & (raw <= LOG_RATIO_CLAMP)).to(logp.dtype)
+        # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        in_clip = ((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)).to(logp.dtype)
+        d1 = pg1 * in_clamp  # d(-A r)/dlogp = -A r
+        d2 = d1 * in_clip
+        pg = torch.maximum(pg1, pg2)
+        dpg = torch.where(pg1 > pg2, d1, torch.where(pg1 == pg2, 0.5 * (d1 + d2), d2))  # torch.maximum's tie rule
+        clipped = torch.where(real & (pg2 > pg1), mask, zero).sum()
+        if dual_clip is not None:
+            # for A < 0: L = min(L^CLIP, -A c)
+            pg3 = -adv * dual_clip
+            negative = adv < 0
+            dual = torch.where(real & negative & (pg > pg3), mask, zero).sum()
+            dpg = torch.where(negative, torch.where(pg < pg3, dpg, torch.where(pg == pg3, 0.5 * dpg, zero)), dpg)
+            pg = torch.where(negative, torch.minimum(pg, pg3), pg)
     loss_t, dloss_t, kl = pg, dpg, zero
     if kl_coef != 0.0:
         if kl_kind == "k1":  # k1 = logp - ref
@@ -366,15 +396,15 @@ class _ScaledGrad(torch.autograd.Function):
 
 
 def _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens, num_seqs,
-                 norm_const, ref_logp, kl_coef, kl_kind, backend):
-    _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp)
+                 norm_const, ref_logp, kl_coef, kl_kind, loss_kind, backend):
+    _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp, loss_kind)
     acc = _compute_dtype(logp.dtype) if backend == "torch" else torch.float32
     with torch.no_grad():  # the gradient is formed here, in closed form
         weights = _token_weights(mask, agg, num_tokens, num_seqs, norm_const, acc)
         flat = [t.reshape(-1).to(acc).contiguous() for t in (logp, old_logp, advantages, weights, mask)]
         ref = ref_logp.reshape(-1).to(acc).contiguous() if kl_coef != 0.0 else None  # not read when kl_coef == 0
         terms = _loss_terms_triton if backend == "triton" else _loss_terms_torch
-        loss, grad, sums = terms(*flat, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind)
+        loss, grad, sums = terms(*flat, ref, clip_low, clip_high, dual_clip, kl_coef, kl_kind, loss_kind)
         stats = _stats(sums, mask.to(acc), dual_clip, kl_coef)
         grad = grad.view(logp.shape).to(logp.dtype)
     return _ScaledGrad.apply(loss.to(logp.dtype), logp, grad), stats
@@ -382,24 +412,25 @@ def _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_cli
 
 def policy_loss_triton(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
                        agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, ref_logp=None,
-                       kl_coef=0.0, kl_kind="k3"):
+                       kl_coef=0.0, kl_kind="k3", loss_kind="ppo"):
     """`policy_loss` on the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
     return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
-                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, "triton")
+                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, loss_kind, "triton")
 
 
 def policy_loss_torch(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
                       agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, ref_logp=None,
-                      kl_coef=0.0, kl_kind="k3"):
+                      kl_coef=0.0, kl_kind="k3", loss_kind="ppo"):
     """`policy_loss` on the closed-form torch path (any device)."""
     return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
-                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, "torch")
+                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, loss_kind, "torch")
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
                 agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, ref_logp=None,
-                kl_coef=0.0, kl_kind="k3"):
-    """ppo_core.algo.policy_loss (same arguments, loss and stats), fused, plus an optional KL-to-reference term.
+                kl_coef=0.0, kl_kind="k3", loss_kind="ppo"):
+    """ppo_core.algo.policy_loss (same arguments, loss and stats), fused, plus an optional KL-to-reference term;
+    with loss_kind="cispo", ppo_core.algo.cispo_policy_loss instead (LOSS_KINDS: the kinds fused here).
 
     logp: [B, T] current log-probs (with grad); old_logp, advantages, mask: [B, T]; ref_logp: [B, T] or None,
     read only when kl_coef != 0; kl_kind: "k1" | "k2" | "k3" (k3 clamped as verl's low_var_kl, see the module
@@ -408,7 +439,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
     Gradient flows to logp only.
     """
     return _policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
-                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, _backend(logp.device))
+                        num_seqs, norm_const, ref_logp, kl_coef, kl_kind, loss_kind, _backend(logp.device))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -586,8 +617,8 @@ def _linear_loss_grads_triton(h_kept, weight, labels_kept, temperature, token_gr
 
 def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low, clip_high,
                         dual_clip, agg, ref_logp, kl_coef, kl_kind, entropy_coef, num_tokens, num_seqs, norm_const,
-                        backend):
-    _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp)
+                        loss_kind, backend):
+    _check_args(clip_low, clip_high, dual_clip, kl_coef, kl_kind, ref_logp, loss_kind)
     if hidden.shape[:-1] != mask.shape or labels.shape != mask.shape:
         raise ValueError(f"hidden [..., H] {tuple(hidden.shape)}, labels {tuple(labels.shape)} and mask "
                          f"{tuple(mask.shape)} must share their leading shape")
@@ -608,7 +639,7 @@ def _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temp
         weights = _token_weights(mask, agg, num_tokens, num_seqs, norm_const, acc).reshape(-1)
         old, adv, flat_mask = (t.reshape(-1).to(acc) for t in (old_logp, advantages, mask))
         ref = ref_logp.reshape(-1).to(acc) if kl_coef != 0.0 else None  # never read when kl_coef == 0
-        params = (clip_low, clip_high, dual_clip, kl_coef, kl_kind)
+        params = (clip_low, clip_high, dual_clip, kl_coef, kl_kind, loss_kind)
         terms = _loss_terms_triton if backend == "triton" else _loss_terms_torch
 
         # Only rows that enter the loss get projected: masked-out and label -100 rows have weight 0 or a
@@ -664,16 +695,18 @@ def linear_policy_loss_torch(hidden, weight, labels, old_logp, advantages, mask,
 def _linear_policy_loss_kw(hidden, weight, labels, old_logp, advantages, mask, backend, *, temperature=1.0,
                            clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None,
                            kl_coef=0.0, kl_kind="k3", entropy_coef=0.0, num_tokens=None, num_seqs=None,
-                           norm_const=None):
+                           norm_const=None, loss_kind="ppo"):
     return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
                                clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, entropy_coef, num_tokens,
-                               num_seqs, norm_const, backend)
+                               num_seqs, norm_const, loss_kind, backend)
 
 
 def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, *, temperature=1.0, clip_low=0.2,
                        clip_high=0.2, dual_clip=None, agg="token-mean", ref_logp=None, kl_coef=0.0, kl_kind="k3",
-                       entropy_coef=0.0, num_tokens=None, num_seqs=None, norm_const=None):
+                       entropy_coef=0.0, num_tokens=None, num_seqs=None, norm_const=None, loss_kind="ppo"):
     """policy_loss(linear_token_logprobs(hidden, weight, labels, temperature), ...) without the [N, V] logits.
+
+    loss_kind: "ppo" (ppo_core.algo.policy_loss) or "cispo" (algo.cispo_policy_loss), LOSS_KINDS.
 
     hidden: [N, H] or [B, T, H]; weight: [V, H]; labels, old_logp, advantages, mask (and ref_logp): [N] or
     [B, T], the same leading shape as hidden ([N] counts as one sequence for the seq-mean modes).
@@ -691,4 +724,4 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, *, te
     """
     return _linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, temperature, clip_low,
                                clip_high, dual_clip, agg, ref_logp, kl_coef, kl_kind, entropy_coef, num_tokens,
-                               num_seqs, norm_const, _backend(hidden.device))
+                               num_seqs, norm_const, loss_kind, _backend(hidden.device))

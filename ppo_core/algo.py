@@ -150,8 +150,8 @@ def varied_groups(scores, group):
 
 
 LOG_RATIO_CLAMP = 20.0
-"""|log-ratio| bound before exp in `kl_estimate`'s k3, `policy_loss` and `gspo_policy_loss` (exp(20) ~ 4.9e8 is
-finite in float32, whose exp overflows past ~88). The clamp has zero gradient beyond the bound."""
+"""|log-ratio| bound before exp in `kl_estimate`'s k3, `policy_loss`, `cispo_policy_loss` and `gspo_policy_loss`
+(exp(20) ~ 4.9e8 is finite in float32, whose exp overflows past ~88). The clamp has zero gradient beyond the bound."""
 K3_CLAMP = 10.0
 """Bound on each token's k3 estimate, as verl's "low_var_kl" (core_algos.kl_penalty). k3 >= 0, so only the upper
 bound acts: where log ref - log pi > 2.61 or < -11.0 (k3 = 10 there); the clamped tokens get zero gradient."""
@@ -232,14 +232,39 @@ def _count(count, like):
 
 # ---------------------------------------------------------------- losses
 
+POLICY_LOSS_KINDS = ("ppo", "cispo", "gspo")
+"""The values of cfg.policy_loss_kind: the kinds `policy_loss_function` picks a loss for. ppo_core.config refuses any
+other kind, so a kind this module does not implement is never trained as another."""
+
+
+def policy_loss_function(kind):
+    """The loss of policy_loss_kind `kind`: the one place a kind is chosen (ppo_core.update.policy_objective calls what
+    this returns on the reference path; ppo_core.precision.loss_paths names it in the run's first lines).
+
+    Each takes (logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip=, weights=, agg=, num_tokens=,
+    num_seqs=) and returns (loss: 0-dim, stats: dict of detached 0-dim tensors). A new loss: its function below, its
+    name in POLICY_LOSS_KINDS and one branch here (docs/adding-a-loss.md).
+    """
+    if kind == "ppo":
+        return policy_loss
+    if kind == "cispo":
+        return cispo_policy_loss
+    if kind == "gspo":
+        return gspo_policy_loss
+    raise ValueError(f"policy_loss_function: kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
+
+
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
-                agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None):
-    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), optional dual clip.
+                agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), optional dual clip, optional per-token weights.
 
     logp: [B, T] log-probs under the current policy (with grad); old_logp: [B, T] at sampling time;
     advantages: [B, T]; mask: [B, T]. clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
     dual_clip: None, or c > 1 capping the loss of A < 0 tokens at c * |A| (Ye et al. 2020, arXiv:1912.09729).
     agg, num_tokens, num_seqs, norm_const: see `aggregate`.
+    weights: None, or [B, T] detached per-token weights w_t >= 0 that multiply each token's loss, L_t = w_t L^CLIP_t:
+    an off-policy correction's (`off_policy_weights`; `policy_loss_off_policy` is this with them). Weighted tokens
+    still count in aggregate's denominators; w_t = 1 everywhere gives the unweighted loss bit for bit.
     Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local tokens):
       clipfrac       fraction of real tokens where the clipped branch is strictly larger (pg_loss2 > pg_loss1)
       dual_clipfrac  (only with dual_clip) fraction of real tokens where the dual cap is strictly active
@@ -262,16 +287,59 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
         negative = advantages < 0
         stats["dual_clipfrac"] = masked_mean((negative & (pg_losses > pg_loss3)).to(ratio.dtype), mask)
         pg_losses = torch.where(negative, torch.minimum(pg_losses, pg_loss3), pg_losses)
+    if weights is not None:
+        # L_t = w_t L^CLIP_t, w_t detached: a constant of the objective, like A_t
+        pg_losses = pg_losses * weights
     loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
-    with torch.no_grad():
-        # KL(old || new) ~ E_old[(r - 1) - log r]  (k3, >= 0 per token)
-        stats["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask)
-        stats["ratio_mean"] = masked_mean(ratio, mask)
-        stats["ratio_max_dev"] = torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()
+    stats.update(_ratio_stats(ratio, log_ratio, mask))
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, num_seqs=None):
+def cispo_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                      agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+    """CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1, MiniMax 2025,
+    arXiv:2506.13585).
+
+    PPO's clip zeroes the gradient of a token whose ratio left the trust region, so rare tokens that matter (a "wait"
+    before a self-check) stop learning after the first update; CISPO clips the importance weight instead and keeps
+    every token's gradient, bounded by the clipped weight: d L_t / d logp_t = -clip(r_t, 1 - eps_low, 1 + eps_high) A_t.
+    clip_low / clip_high: the weight clipped to [1 - clip_low, 1 + clip_high], the same config keys as PPO's clip.
+    The paper sets no lower bound (a large eps_low) and tunes only the upper one: clip_low >= 1 does that here (r_t > 0,
+    so a bound 1 - clip_low <= 0 never binds; verl's CISPO example runs clip_ratio_low=10, clip_ratio_high=0.2); the
+    config's default 0.2 keeps PPO's symmetric band.
+    dual_clip: must be None (the weight is already bounded; the config refuses dual_clip with CISPO).
+    Other arguments, weights and the returned stats as in `policy_loss`; clipfrac here is the fraction of real tokens
+    whose weight was clipped (r_t strictly outside the band): their gradient is not zeroed, only bounded.
+    """
+    if dual_clip is not None:
+        raise ValueError(f"cispo_policy_loss: dual_clip does not apply (the weight is clipped already), "
+                         f"got {dual_clip}")
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], as in policy_loss
+    ratio = torch.exp(log_ratio)
+    is_weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()  # [B, T] sg(clip(r_t))
+    # L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t log pi_theta(y_t)
+    pg_losses = -advantages * is_weight * logp
+    clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+    stats = {"clipfrac": masked_mean(clipped.to(ratio.dtype), mask)}
+    if weights is not None:
+        # L_t = w_t L^CISPO_t, w_t detached (an off-policy correction's, as in policy_loss)
+        pg_losses = pg_losses * weights
+    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    stats.update(_ratio_stats(ratio, log_ratio, mask))
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+@torch.no_grad()
+def _ratio_stats(ratio, log_ratio, mask):
+    """How far the policy moved from pi_old over real tokens, for the token-level losses: 0-dim tensors."""
+    # KL(old || new) ~ E_old[(r - 1) - log r]  (k3, >= 0 per token)
+    return {"approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "ratio_max_dev": torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()}
+
+
+def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, num_seqs=None, *,
+                     dual_clip=None, weights=None, agg=None, num_tokens=None):
     """GSPO: the clipped surrogate on a sequence-level ratio (Zheng et al. 2025, "Group Sequence Policy Optimization",
     arXiv:2507.18071, eq. 5), as a loss to minimise.
 
@@ -281,7 +349,9 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
     (a sequence ratio is a per-token geometric mean, so its range is far narrower than PPO's token ratio).
     num_seqs: the count to divide by, default the local number of non-empty rows; pass the GLOBAL count (over
     accumulation microbatches and ranks) so that the per-microbatch losses sum to the full-batch loss, as in
-    `aggregate`. GSPO always reduces as a mean over sequences (the paper's 1/G sum_i), hence no `agg` argument.
+    `aggregate`. GSPO always reduces as a mean over sequences (the paper's 1/G sum_i): agg and num_tokens are not read
+    (they are accepted so that every kind of `policy_loss_function` is called alike). dual_clip and weights must be
+    None: a sequence's one ratio has no token losses to cap or weight (the config refuses both with GSPO).
     The gradient is the paper's: d l_i / d logp_t = -A_i s_i / |y_i| on each real token of an unclipped row, 0 on a
     clipped one (its GSPO-token form, s_it = sg[s_i] pi(y_t) / sg[pi(y_t)] averaged over each row's tokens, has the
     same value and gradient when A is constant over the row).
@@ -290,6 +360,8 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
       approx_kl      token-level k3 estimate of KL(old || new), (r - 1) - log r, masked mean as in `policy_loss`
       ratio_mean     mean of s_i over non-empty rows; ratio_max_dev: max |s_i - 1| over them (0 if none)
     """
+    if dual_clip is not None or weights is not None:
+        raise ValueError("gspo_policy_loss: dual_clip and weights do not apply to a sequence-level ratio")
     tokens_per_seq = mask.sum(-1)  # [B] |y_i|
     seq_mask = (tokens_per_seq > 0).to(logp.dtype)  # [B] 1 = row has a real token
     token_log_ratio = logp - old_logp  # [B, T]
@@ -504,7 +576,8 @@ def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correct
                            mask_level="token", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
                            num_tokens=None, num_seqs=None, norm_const=None):
     """The PPO clipped surrogate on tokens sampled by a behaviour policy mu != pi_old, each token's loss times a
-    detached off-policy weight w_t built from k_t = pi_old(y_t) / mu(y_t):
+    detached off-policy weight w_t built from k_t = pi_old(y_t) / mu(y_t): `off_policy_weights`, then `policy_loss`
+    with weights=w (the training loop does the same for any token-level policy_loss_kind):
 
       L_t = w_t max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),   r_t = pi_theta(y_t) / pi_old(y_t)
 
@@ -541,29 +614,11 @@ def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correct
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"policy_loss_off_policy: dual_clip must be > 1 or None, got {dual_clip}")
     weights, correction_stats = off_policy_weights(old_logp, behav_logp, mask, correction, cap, band, mask_level)
-    # the PPO clipped surrogate, exactly as in policy_loss (so that w_t = 1 reproduces it bit for bit)
-    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log r_t
-    ratio = torch.exp(log_ratio)
-    # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), a loss to minimise
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg_losses = torch.maximum(pg_loss1, pg_loss2)
-    stats = {"clipfrac": masked_mean((pg_loss2 > pg_loss1).to(ratio.dtype), mask)}
-    if dual_clip is not None:
-        # for A < 0: L = min(L^CLIP, -A c) = min(L^CLIP, c |A|)
-        pg_loss3 = -advantages * dual_clip
-        negative = advantages < 0
-        stats["dual_clipfrac"] = masked_mean((negative & (pg_losses > pg_loss3)).to(ratio.dtype), mask)
-        pg_losses = torch.where(negative, torch.minimum(pg_losses, pg_loss3), pg_losses)
-    # L_t = w_t L^CLIP_t, with w_t detached: a constant of the objective, like A_t
-    loss = aggregate(pg_losses * weights, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
-    with torch.no_grad():
-        # KL(old || new) ~ E_old[(r - 1) - log r]  (k3, >= 0 per token)
-        stats["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask)
-        stats["ratio_mean"] = masked_mean(ratio, mask)
-        stats["ratio_max_dev"] = torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()
-    stats.update(correction_stats)
-    return loss, {k: v.detach() for k, v in stats.items()}
+    # L_t = w_t L^CLIP_t: policy_loss's one clipped surrogate, each token's loss times its detached weight
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, num_tokens,
+                              num_seqs, norm_const, weights=weights)
+    stats.update({k: v.detach() for k, v in correction_stats.items()})
+    return loss, stats
 
 
 # ---------------------------------------------------------------- rewards

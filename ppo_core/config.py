@@ -25,6 +25,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .algo import POLICY_LOSS_KINDS
+
 
 class ConfigError(ValueError):
     """A configuration the run cannot start with; the message is meant to be shown as is."""
@@ -151,8 +153,11 @@ class PPOConfig:
     the batch), 'reinforce_pp_baseline' (group-centred, then batch-whitened). Critic-free runs build, train and save
     no critic. The group estimators use each response's summed reward (score minus its KL penalty when kl_in_reward)."""
     policy_loss_kind: str = "ppo"
-    """'ppo' (the token-level clipped surrogate) or 'gspo' (GSPO's sequence-level ratio, Zheng et al. 2025: the
-    length-normalised sequence likelihood ratio clipped per sequence; use clip_low/clip_high around 3e-4/4e-4)."""
+    """'ppo' (the token-level clipped surrogate), 'cispo' (CISPO, MiniMax-M1 2025: REINFORCE with a clipped
+    stop-gradient importance weight, so clipped tokens keep a bounded gradient; clip_low >= 1 drops its lower bound,
+    as the paper does) or 'gspo' (GSPO's sequence-level ratio, Zheng et al. 2025: the length-normalised sequence
+    likelihood ratio clipped per sequence; use clip_low/clip_high around 3e-4/4e-4). ppo_core.algo.policy_loss_function
+    computes each kind; ppo and cispo run fused with fused_kernels."""
     ppo_epochs: int = 4
     """Passes over each rollout batch."""
     minibatch_size: int = 32
@@ -190,7 +195,7 @@ class PPOConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm of each model to this (0 = no clipping)."""
     clip_low: float = 0.2
-    """Policy ratio lower clip: ratio >= 1 - clip_low."""
+    """Policy ratio lower clip: ratio >= 1 - clip_low (with cispo, the clip of its importance weight; >= 1 = none)."""
     clip_high: float = 0.2
     """Policy ratio upper clip: ratio <= 1 + clip_high (raise it for 'clip-higher')."""
     dual_clip: float = 0.0
@@ -303,7 +308,7 @@ class PPOConfig:
     off_policy_correction: str = "none"
     """Correct the update for the sampler not being the policy the update starts from (its numerics: decoding runs
     other kernels, bf16 weights, a KV cache; and stale weights, with rollout workers): the rollout records its own
-    log-probs (the behaviour policy mu) and each token's surrogate is weighted by a function of k = pi_old / mu
+    log-probs (the behaviour policy mu) and each token's loss (ppo, cispo) is weighted by a function of k = pi_old / mu
     (ppo_core.algo's off-policy corrections; metrics off_policy/*): 'tis' (min(k, off_policy_cap), Yao et al. 2025),
     'decoupled' (k, a token above off_policy_cap dropped: AReaL), 'icepop' (k inside [off_policy_band_low,
     off_policy_band_high], else dropped, at off_policy_mask_level), 'none'. The ratio stays pi_theta / pi_old."""
@@ -526,7 +531,8 @@ def _problems(cfg: PPOConfig) -> list[str]:
                 "overlong_buffer", "overlong_penalty", "eval_every", "log_samples_every", "save_every", "top_k", "threads"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.stop_grace_s >= 0, "stop_grace_s", "must be >= 0 (0 = wait for the iteration in flight)")
-    need(cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
+    need(cfg.clip_low < 1 or cfg.policy_loss_kind == "cispo", "clip_low",  # cispo: >= 1 lifts the weight's floor
+         "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
     need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
@@ -540,7 +546,8 @@ def _problems(cfg: PPOConfig) -> list[str]:
          "must be a comma-separated list of tensorboard, wandb")
     need(cfg.kl_reward_kind in ("k1", "k2", "k3"), "kl_reward_kind", "must be one of k1, k2, k3")
     need(cfg.adv_estimator in ADV_ESTIMATORS, "adv_estimator", f"must be one of {', '.join(ADV_ESTIMATORS)}")
-    need(cfg.policy_loss_kind in ("ppo", "gspo"), "policy_loss_kind", "must be ppo or gspo")
+    need(cfg.policy_loss_kind in POLICY_LOSS_KINDS, "policy_loss_kind",
+         f"must be one of {', '.join(POLICY_LOSS_KINDS)}")
     need(cfg.adv_estimator not in GROUP_ESTIMATORS or cfg.n_samples_per_prompt > 1, "n_samples_per_prompt",
          f"must be > 1 for adv_estimator={cfg.adv_estimator!r} (its baseline comes from the other responses to the prompt)")
     need(not cfg.filter_groups or cfg.n_samples_per_prompt > 1, "filter_groups", "needs n_samples_per_prompt > 1")
@@ -559,7 +566,8 @@ def _problems(cfg: PPOConfig) -> list[str]:
     if cfg.off_policy_correction != "none":
         need(not cfg.old_logprobs_from_rollout, "off_policy_correction", "compares the sampler's log-probs with the "
              "recomputed old ones: it needs old_logprobs_from_rollout = false")
-        need(cfg.policy_loss_kind == "ppo", "off_policy_correction", "weights PPO's token-level surrogate (not GSPO's)")
+        need(cfg.policy_loss_kind != "gspo", "off_policy_correction",
+             "weights a token-level loss (ppo, cispo), not GSPO's sequence ratio")
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
     need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
     need(cfg.rollout_ranks >= 0, "rollout_ranks", "must be >= 0")
@@ -634,6 +642,9 @@ def _unread_settings(cfg: PPOConfig) -> list[str]:
             problems.append(f"config key '{key}' has no effect with {other}={getattr(cfg, other)!r} ({why}), "
                             f"got {getattr(cfg, key)!r}")
 
+    if cfg.policy_loss_kind == "cispo":
+        unread("dual_clip", "policy_loss_kind", "CISPO's clipped weight already bounds each token; dual-clip caps "
+                                                "PPO's token losses")
     if cfg.policy_loss_kind == "gspo":
         unread("dual_clip", "policy_loss_kind", "GSPO clips one ratio per sequence; dual-clip caps token losses")
         if cfg.kl_in_reward and not cfg.entropy_coef:

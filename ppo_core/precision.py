@@ -15,6 +15,7 @@ import torch
 
 import ppo_kernels
 
+from . import algo
 from .config import ConfigError, PPOConfig, uses_critic
 from .model import onednn_bf16_supported
 
@@ -69,15 +70,24 @@ def precision_line(p: Precision) -> str:
 def loss_paths(cfg: PPOConfig, device) -> str:
     """Which code computes each head's log-probs and loss, and why (said in the run's first lines): ppo_kernels' fused
     kernels (Triton on CUDA, a chunked torch path on the CPU; PPO_KERNELS_BACKEND forces one) or the plain torch
-    reference, which forms the full [B, T, V] logits."""
+    reference, which forms the full [B, T, V] logits. The policy loss is cfg.policy_loss_kind's function
+    (algo.policy_loss_function), fused when the kernel takes that kind (ppo_kernels.LOSS_KINDS), as
+    update.policy_objective chooses."""
+    kind = cfg.policy_loss_kind
+    reference_loss = f"algo.{algo.policy_loss_function(kind).__name__}"
+    correction = cfg.off_policy_correction
+    weighted = (f", each token weighted by algo.off_policy_weights (off_policy_correction={correction!r})"
+                if correction != "none" else "")
     if not cfg.fused_kernels:
-        return "the torch reference for every head: full logits, log_softmax + gather, ppo_core.algo (fused_kernels=false)"
+        return (f"the torch reference for every head: full logits, log_softmax + gather, {reference_loss}{weighted} "
+                f"(fused_kernels=false)")
     kernels = "Triton" if ppo_kernels.backend(torch.device(device)) == "triton" else "chunked torch"
-    if cfg.policy_loss_kind == "ppo":
-        update = f"policy loss: fused linear_policy_loss ({kernels}; clip, dual-clip, KL term and entropy inside)"
+    if kind in ppo_kernels.LOSS_KINDS:
+        update = (f"policy loss: fused linear_policy_loss ({kernels}; loss_kind={kind!r}, KL term and entropy inside: "
+                  f"a token-level loss, no [T, V] logits){weighted}")
     else:
-        update = (f"policy loss: fused linear_token_logprobs ({kernels}) + algo.gspo_policy_loss (GSPO's sequence "
-                  f"ratio is not a kernel of its own)")
+        update = (f"policy loss: fused linear_token_logprobs ({kernels}) + {reference_loss}{weighted} (the kernel "
+                  f"fuses the token-level losses {', '.join(ppo_kernels.LOSS_KINDS)}; {kind}'s is not one of them)")
     old = "old log-probs from decoding, reference" if cfg.old_logprobs_from_rollout else "old and reference"
     value = "; value loss: the critic's scalar head + algo.value_loss (no [T, V] logits)" if uses_critic(cfg) else ""
     return f"{update}; {old} log-probs: fused linear_token_logprobs ({kernels}){value}"

@@ -10,8 +10,9 @@
               runs each in micro-batches whose gradients add up to the minibatch's, summed across processes: padded
               ones of micro_batch_size rows (each process its own rows), or with micro_batch_tokens packed ones
               (ppo_core.packing: each minibatch's rows split across processes by token count, then packed to the budget)
-  objectives: policy_objective: the clipped surrogate (PPO's token ratio or GSPO's sequence ratio), + the KL loss
-              term, - the entropy bonus, on the fused kernel or the torch reference; the critic's clipped value loss
+  objectives: policy_objective: cfg.policy_loss_kind's loss (algo.policy_loss_function: PPO's clipped surrogate,
+              CISPO, GSPO), weighted per token by an off-policy correction when one is on, + the KL loss term, - the
+              entropy bonus, on the fused kernel or the torch reference; the critic's clipped value loss
               (algo.value_loss)
   optimizers: Optimizers: AdamW for policy and critic, warm-up + cosine LR (lr_at), the skip-on-NaN rule
 The forward heads are the rollout's (ppo_core.rollout), so the update's log-probs are computed as the old ones were.
@@ -78,35 +79,41 @@ def lr_at(step, total_steps, cfg: PPOConfig):
 
 def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg, packed=None,
                      behav_logp=None):
-    """The policy's minibatch loss on one micro-batch: the clipped surrogate (cfg.policy_loss_kind: PPO's token ratio
-    or GSPO's sequence ratio), + kl_coef * KL to the reference when the KL is a loss term (cfg.kl_in_reward = False),
-    - entropy_coef * entropy. Returns (loss to backward, pg_loss, kl_loss, stats).
+    """The policy's minibatch loss on one micro-batch: cfg.policy_loss_kind's loss (algo.policy_loss_function picks
+    it: PPO's clipped surrogate, CISPO's clipped stop-gradient weight, GSPO's sequence ratio), + kl_coef * KL to the
+    reference when the KL is a loss term (cfg.kl_in_reward = False), - entropy_coef * entropy. Returns (loss to
+    backward, pg_loss, kl_loss, stats).
 
-    fused: ppo_kernels.linear_policy_loss forms the log-probs, the loss and its gradients from the hidden
-    states and the LM head tile by tile, never the [B*R, V] logits (GSPO, whose ratio spans a whole sequence, runs
-    on ppo_kernels.linear_token_logprobs' fused log-probs and entropy, with their own backward); otherwise full
-    logits, log_softmax + gather and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed
-    (ppo_core.packing); the heads see what they see padded.
+    fused (cfg.fused_kernels, and a kind in ppo_kernels.LOSS_KINDS: the token-level losses whose per-token gradient
+    is a function of logp, old_logp and A): ppo_kernels.linear_policy_loss(loss_kind=...) forms the log-probs, the
+    loss and its gradients from the hidden states and the LM head tile by tile, never the [B*R, V] logits. Any other
+    kind (GSPO, whose ratio spans a whole sequence) runs on ppo_kernels.linear_token_logprobs' fused log-probs and
+    entropy, with their own backward, then its algo function; without fused_kernels: full logits, log_softmax + gather
+    and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed (ppo_core.packing); the heads
+    see what they see padded.
 
-    behav_logp [B, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path runs
-    algo.policy_loss_off_policy; the fused kernel takes the weighted advantages w_t A_t, which is the same loss, since
-    w_t >= 0 is a constant: w max(-A r, -A clip(r)) = max(-(w A) r, -(w A) clip(r)), and the dual clip's -c A alike.
-    The KL term and the entropy bonus are not weighted."""
+    behav_logp [B, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path hands the loss the
+    detached weights w_t of algo.off_policy_weights (L_t = w_t L_t, as algo.policy_loss_off_policy); the fused kernel
+    takes the weighted advantages w_t A_t, which is the same loss, since w_t >= 0 is a constant and both fused losses
+    are positively homogeneous in A: w max(-A r, -A clip(r)) = max(-(w A) r, -(w A) clip(r)), the dual clip's -c A
+    alike, and w (-sg(clip(r)) A log p) = -sg(clip(r)) (w A) log p. The KL term and the entropy bonus are not
+    weighted."""
     labels = response_labels(ids, rm, P)
     kl_in_loss = not cfg.kl_in_reward
-    off_policy = dict(correction=cfg.off_policy_correction, cap=cfg.off_policy_cap,
-                      band=(cfg.off_policy_band_low, cfg.off_policy_band_high), mask_level=cfg.off_policy_mask_level)
     off_weights, off_stats = None, {}
     if behav_logp is not None:  # w_t from k_t = pi_old / mu (ppo_core.algo), [B, R] detached
-        off_weights, off_stats = algo.off_policy_weights(old_logp, behav_logp, rm, **off_policy)
-    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+        off_weights, off_stats = algo.off_policy_weights(
+            old_logp, behav_logp, rm, correction=cfg.off_policy_correction, cap=cfg.off_policy_cap,
+            band=(cfg.off_policy_band_low, cfg.off_policy_band_high), mask_level=cfg.off_policy_mask_level)
+    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
     want_entropy = cfg.entropy_coef != 0.0
+    fused = cfg.fused_kernels and cfg.policy_loss_kind in ppo_kernels.LOSS_KINDS
 
     def fused_head(hidden, weight):
         weighted = advantages if off_weights is None else advantages * off_weights  # w_t A_t
         return ppo_kernels.linear_policy_loss(
-            hidden, weight, labels, old_logp, weighted, rm, temperature=cfg.temperature, **clip,
-            dual_clip=cfg.dual_clip or None, **agg, ref_logp=ref_logp if kl_in_loss else None,
+            hidden, weight, labels, old_logp, weighted, rm, loss_kind=cfg.policy_loss_kind,
+            temperature=cfg.temperature, **clip, **agg, ref_logp=ref_logp if kl_in_loss else None,
             kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
 
     def logprob_head(hidden, weight):  # -> (log-probs [B, R], entropy [B, R] or None), with gradient
@@ -119,18 +126,13 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
         out = ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature, return_entropy=want_entropy)
         return out if want_entropy else (out, None)
 
-    if cfg.fused_kernels and cfg.policy_loss_kind == "ppo":
+    if fused:
         loss, stats = response_head(policy, ids, am, P, fused_head, packed)  # the KL and entropy terms are inside
         logp = stats["logp"]  # detached; the KL term's value is reported separately below
     else:
         logp, entropy = response_head(policy, ids, am, P, logprob_head, packed)
-        if cfg.policy_loss_kind == "gspo":
-            loss, stats = algo.gspo_policy_loss(logp, old_logp, advantages, rm, **clip, num_seqs=agg["num_seqs"])
-        elif behav_logp is not None:
-            loss, stats = algo.policy_loss_off_policy(logp, old_logp, behav_logp, advantages, rm, **off_policy, **clip,
-                                                      dual_clip=cfg.dual_clip or None, **agg)
-        else:
-            loss, stats = algo.policy_loss(logp, old_logp, advantages, rm, **clip, dual_clip=cfg.dual_clip or None, **agg)
+        policy_loss_fn = algo.policy_loss_function(cfg.policy_loss_kind)  # the one place a loss kind is chosen
+        loss, stats = policy_loss_fn(logp, old_logp, advantages, rm, **clip, weights=off_weights, **agg)
         if want_entropy:
             # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
             loss = loss - cfg.entropy_coef * algo.aggregate(entropy, rm, agg["agg"], num_tokens=agg["num_tokens"],
@@ -140,7 +142,7 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
     if kl_in_loss:
         kl_loss = algo.aggregate(algo.kl_estimate(logp.detach(), ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
                                  num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
-        if not (cfg.fused_kernels and cfg.policy_loss_kind == "ppo"):
+        if not fused:
             loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
                                                    num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
     if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped

@@ -86,6 +86,8 @@ TEMPERATURE = 0.7
 # (dual_clip, kl_coef, kl_kind): every (HAS_DUAL, HAS_KL, KL_KIND) the loss kernel can be launched with
 LOSS_OPTIONS = tuple((dual, kl_coef, kind) for dual in (None, 3.0)
                      for kl_coef, kind in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3")))
+# loss_kind="cispo" (LOSS_KIND == 2; no dual clip), without and with a KL term, in one more call per case
+CISPO_OPTIONS = ((0.0, "k3"), (0.1, "k3"))
 # entropy_coef != 0 in one more linear_policy_loss call per case: the dz kernel's HAS_ENTROPY variant
 ENTROPY_COEF = 0.01
 # (name, tokens N, vocabulary V, hidden H): a real batch whose [N, V] logits pass 2^31 elements (int64 offsets),
@@ -154,12 +156,13 @@ def exercise_wrappers():
                 backward_through(lp, ent, True, True)
 
                 yield f"policy_loss {case}"
-                for dual_clip, kl_coef, kl_kind in LOSS_OPTIONS:
+                for loss_kind, (dual_clip, kl_coef, kl_kind) in ([("ppo", option) for option in LOSS_OPTIONS]
+                                                                 + [("cispo", (None, *o)) for o in CISPO_OPTIONS]):
                     logp = randn(B, T, dtype=dtype, grad=True)
                     mask = (torch.rand(B, T, generator=gen) > 0.2).float()
                     loss_value, _ = loss.policy_loss_triton(
                         logp, randn(B, T, dtype=dtype), randn(B, T, dtype=dtype), mask, dual_clip=dual_clip,
-                        ref_logp=randn(B, T, dtype=dtype), kl_coef=kl_coef, kl_kind=kl_kind)
+                        ref_logp=randn(B, T, dtype=dtype), kl_coef=kl_coef, kl_kind=kl_kind, loss_kind=loss_kind)
                     loss_value.backward()
 
             yield f"linear_token_logprobs {case}"
@@ -171,9 +174,10 @@ def exercise_wrappers():
                 backward_through(lp, ent, use_logp, use_entropy)
 
             yield f"linear_policy_loss {case}"
-            options = [(*option, 0.0) for option in (LOSS_OPTIONS[-1:] if autocast else LOSS_OPTIONS)]
-            options.append((*LOSS_OPTIONS[-1], ENTROPY_COEF))
-            for dual_clip, kl_coef, kl_kind, entropy_coef in options:
+            options = [("ppo", *option, 0.0) for option in (LOSS_OPTIONS[-1:] if autocast else LOSS_OPTIONS)]
+            options.append(("ppo", *LOSS_OPTIONS[-1], ENTROPY_COEF))
+            options.append(("cispo", None, *CISPO_OPTIONS[-1], ENTROPY_COEF))
+            for loss_kind, dual_clip, kl_coef, kl_kind, entropy_coef in options:
                 full = randn(B, P + T, H, dtype=dtype, grad=True)
                 weight = randn(V, H, dtype=dtype, grad=True)
                 mask = (torch.rand(B, T, generator=gen) > 0.2).float()
@@ -182,7 +186,7 @@ def exercise_wrappers():
                     loss_value, _ = loss.linear_policy_loss_triton(
                         full[:, P - 1:-1], weight, labels_for((B, T), V, n_ignored), old, adv, mask,
                         temperature=TEMPERATURE, dual_clip=dual_clip, ref_logp=ref, kl_coef=kl_coef,
-                        kl_kind=kl_kind, entropy_coef=entropy_coef)
+                        kl_kind=kl_kind, entropy_coef=entropy_coef, loss_kind=loss_kind)
                 loss_value.backward()
 
     for shape_name, n_heads, n_kv_heads, head_dim, window, batches in PAGED_SHAPES:

@@ -1,0 +1,381 @@
+"""CISPO (MiniMax-M1, arXiv:2506.13585), the worked example of a new loss kind, and the one place a kind is chosen.
+
+    python -m pytest -q tests/test_cispo.py
+
+    L_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t log pi_theta(y_t),   r_t = pi_theta(y_t) / pi_old(y_t)
+
+algo.cispo_policy_loss by hand and against a float64 Python loop (value and gradient, every aggregation, with and
+without per-token weights); the fused paths (ppo_kernels' policy_loss and linear_policy_loss with loss_kind="cispo":
+the torch path in float64, the Triton kernel under the interpreter in float32) against float64, no worse than the
+reference's own rounding; the config accepting exactly the kinds ppo_core.algo implements; the loss-path line naming
+what runs; and `ppo-train --policy_loss_kind=cispo` on the demo. docs/adding-a-loss.md walks through these files.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ppo_kernels
+import ppo_kernels.loss as loss_module
+from ppo_core import algo
+from ppo_core.config import ConfigError, build_config
+from ppo_core.precision import loss_paths
+from ppo_core.train import DEMO_CHECKPOINT, main
+from ppo_kernels.loss import (
+    linear_policy_loss_torch, linear_policy_loss_triton, policy_loss_reference, policy_loss_torch, policy_loss_triton,
+)
+
+from test_kernels_loss import (
+    AGG_MODES, TRITON_DEVICE, assert_same, batch, f64, linear_batch, linear_loss_and_grads, loss_and_grad,
+    truth_and_reference,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+F64 = torch.float64
+
+
+def t64(rows):
+    return torch.tensor(rows, dtype=F64)
+
+
+# ---------------------------------------------------------------- the loss, by hand
+#
+# four tokens, clip 0.2 (weight range [0.8, 1.2]); r = pi_theta / pi_old, token-mean over 4:
+#   t0: pi_theta 0.6,  pi_old 0.4, A = +1: r = 1.5 -> weight 1.2: L = -1.2 log 0.6,        dL/dlogp = -1.2
+#   t1: pi_theta 0.2,  pi_old 0.4, A = -1: r = 0.5 -> weight 0.8: L = +0.8 log 0.2,        dL/dlogp = +0.8
+#   t2: pi_theta 0.3,  pi_old 0.3, A = +2: r = 1   -> weight 1:   L = -2 log 0.3,          dL/dlogp = -2
+#   t3: pi_theta 0.55, pi_old 0.5, A = +1: r = 1.1 -> weight 1.1: L = -1.1 log 0.55,       dL/dlogp = -1.1
+# PPO's clip gives t0 and t1 zero gradient; CISPO keeps it, bounded by the clipped weight.
+HAND = dict(logp=[[0.6, 0.2, 0.3, 0.55]], old=[[0.4, 0.4, 0.3, 0.5]], advantages=[[1.0, -1.0, 2.0, 1.0]])
+
+
+def test_cispo_hand_worked():
+    logp = t64(HAND["logp"]).log().requires_grad_(True)
+    loss, stats = algo.cispo_policy_loss(logp, t64(HAND["old"]).log(), t64(HAND["advantages"]), t64([[1, 1, 1, 1]]))
+    loss.backward()
+    expected = (-1.2 * math.log(0.6) + 0.8 * math.log(0.2) - 2 * math.log(0.3) - 1.1 * math.log(0.55)) / 4
+    assert loss.item() == pytest.approx(expected, abs=1e-15)
+    assert logp.grad[0].tolist() == pytest.approx([-0.3, 0.2, -0.5, -0.275], abs=1e-15)
+    assert stats["clipfrac"].item() == 0.5  # t0 and t1: weight clipped, gradient kept
+    assert stats["ratio_mean"].item() == pytest.approx((1.5 + 0.5 + 1 + 1.1) / 4, abs=1e-15)
+    ppo_logp = logp.detach().clone().requires_grad_(True)
+    algo.policy_loss(ppo_logp, t64(HAND["old"]).log(), t64(HAND["advantages"]), t64([[1, 1, 1, 1]]))[0].backward()
+    assert ppo_logp.grad[0, :2].tolist() == [0.0, 0.0]  # what CISPO changes
+
+
+def test_no_lower_bound_with_clip_low_at_least_one():
+    # the paper's setting: no lower clip (clip_low >= 1 puts the bound at or below 0, and r > 0): t1 keeps r = 0.5
+    logp = t64(HAND["logp"]).log().requires_grad_(True)
+    loss, stats = algo.cispo_policy_loss(logp, t64(HAND["old"]).log(), t64(HAND["advantages"]), t64([[1, 1, 1, 1]]),
+                                         clip_low=10.0, clip_high=0.2)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.3, 0.125, -0.5, -0.275], abs=1e-15)
+    assert stats["clipfrac"].item() == 0.25
+
+
+# ---------------------------------------------------------------- against a plain-Python loop
+
+def python_cispo_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg, weights=None):
+    """Token by token: each token's weight sg(clip(r)) a Python float (a constant), its loss a 0-dim float64 tensor of
+    logp, so that autograd gives the reference gradient."""
+    B, T = logp.shape
+    row_sums, row_counts = [], []
+    for b in range(B):
+        real = [t for t in range(T) if mask[b, t].item() == 1]
+        row_sum = 0.0
+        for t in real:
+            r = math.exp(logp[b, t].item() - old_logp[b, t].item())
+            is_weight = min(max(r, 1 - clip_low), 1 + clip_high)
+            w = 1.0 if weights is None else weights[b, t].item()
+            row_sum = row_sum + w * (-is_weight * advantages[b, t].item() * logp[b, t])
+        row_sums.append(row_sum)
+        row_counts.append(len(real))
+    n_tokens, n_seqs = sum(row_counts), sum(1 for n in row_counts if n > 0)
+    if agg == "token-mean":
+        return sum(row_sums) / n_tokens
+    if agg == "seq-mean-token-mean":
+        return sum(s / n for s, n in zip(row_sums, row_counts) if n > 0) / n_seqs
+    if agg == "seq-mean-token-sum":
+        return sum(row_sums) / n_seqs
+    return sum(row_sums) / (n_seqs * T)  # seq-mean-token-sum-norm with the default norm_const T
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("clip_low, clip_high", [(0.2, 0.2), (0.1, 0.28), (10.0, 0.28)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_matches_a_python_loop_value_and_gradient(agg, clip_low, clip_high, weighted):
+    g = torch.Generator().manual_seed(0)
+    mask = t64([[1, 1, 0, 1, 1, 1], [1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 1, 1]])
+    old_logp = -torch.rand(4, 6, generator=g, dtype=F64) * 3
+    logp = (old_logp + 0.4 * torch.randn(4, 6, generator=g, dtype=F64)).requires_grad_(True)
+    advantages = torch.randn(4, 6, generator=g, dtype=F64)
+    weights = torch.rand(4, 6, generator=g, dtype=F64) * 2 * mask if weighted else None
+    loss, stats = algo.cispo_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg=agg,
+                                         weights=weights)
+    (grad,) = torch.autograd.grad(loss, logp)
+    logp_ref = logp.detach().clone().requires_grad_(True)
+    python_cispo_loss(logp_ref, old_logp, advantages, mask, clip_low, clip_high, agg, weights).backward()
+    ref_loss = python_cispo_loss(logp.detach(), old_logp, advantages, mask, clip_low, clip_high, agg, weights)
+    assert abs(loss.item() - float(ref_loss)) <= 1e-14 * max(1.0, abs(float(ref_loss)))
+    assert (grad - logp_ref.grad).abs().max().item() <= 1e-14
+    assert (grad[mask == 0] == 0).all()
+    if clip_low < 1:  # the batch clips some tokens and not others, so the comparison is not vacuous
+        assert 0 < stats["clipfrac"].item() < 1
+
+
+@pytest.mark.parametrize("loss_fn", [algo.policy_loss, algo.cispo_policy_loss])
+def test_unit_weights_are_the_unweighted_loss_bit_for_bit(loss_fn):
+    # the one surrogate: weights=None and weights of 1 are the same ops, to the bit; and PPO's off-policy loss is
+    # policy_loss with the correction's weights (policy_loss_off_policy computes them, then calls it)
+    logp, old_logp, advantages, mask, _ = batch(B=3, T=9)
+    for agg in AGG_MODES:
+        a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+        loss_a, stats_a = loss_fn(a, old_logp, advantages, mask, agg=agg)
+        loss_b, stats_b = loss_fn(b, old_logp, advantages, mask, agg=agg, weights=torch.ones_like(mask))
+        loss_a.backward(), loss_b.backward()
+        assert torch.equal(loss_a, loss_b) and torch.equal(a.grad, b.grad)
+        assert stats_a.keys() == stats_b.keys() and all(torch.equal(stats_a[k], stats_b[k]) for k in stats_a)
+    behav_logp = old_logp + 0.3 * torch.randn_like(old_logp)
+    weights, _ = algo.off_policy_weights(old_logp, behav_logp, mask, "tis", cap=1.5)
+    off_loss, _ = algo.policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, "tis", cap=1.5)
+    assert torch.equal(off_loss, algo.policy_loss(logp, old_logp, advantages, mask, weights=weights)[0])
+
+
+def test_one_place_chooses_a_kind():
+    # every kind the config accepts has a function; any other is refused, by algo and by the config
+    for kind in algo.POLICY_LOSS_KINDS:
+        assert callable(algo.policy_loss_function(kind))
+        build_config({}, {"policy_loss_kind": kind, "adv_estimator": "grpo", "n_samples_per_prompt": "2"})
+    assert algo.policy_loss_function("cispo") is algo.cispo_policy_loss
+    assert set(ppo_kernels.LOSS_KINDS) <= set(algo.POLICY_LOSS_KINDS)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        algo.policy_loss_function("sapo")
+    with pytest.raises(ConfigError, match="config key 'policy_loss_kind' must be one of ppo, cispo, gspo, got 'sapo'"):
+        build_config({}, {"policy_loss_kind": "sapo"})
+
+
+def test_argument_errors():
+    logp, old_logp, advantages, mask, _ = batch()
+    with pytest.raises(ValueError, match="dual_clip"):
+        algo.cispo_policy_loss(logp, old_logp, advantages, mask, dual_clip=3.0)
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_kernels.policy_loss(logp, old_logp, advantages, mask, dual_clip=3.0, loss_kind="cispo")
+    with pytest.raises(ValueError, match="loss_kind"):
+        ppo_kernels.policy_loss(logp, old_logp, advantages, mask, loss_kind="gspo")
+    with pytest.raises(ValueError, match="dual_clip and weights"):
+        algo.gspo_policy_loss(logp, old_logp, advantages, mask, weights=torch.ones_like(mask))
+
+
+# ---------------------------------------------------------------- the fused paths against float64
+
+CONFIGS = [
+    dict(),
+    dict(clip_low=0.1, clip_high=0.28),
+    dict(clip_low=10.0, clip_high=0.28),  # no lower bound, the paper's setting
+    dict(kl_coef=0.1, kl_kind="k1"),
+    dict(kl_coef=0.05, kl_kind="k3", clip_high=0.3),
+]
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_torch_path_matches_reference_float64(agg, config):
+    logp, old_logp, advantages, mask, ref_logp = batch()
+    kwargs = dict(CONFIGS[config], agg=agg, loss_kind="cispo")
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    expected = loss_and_grad(policy_loss_reference, logp, old_logp, advantages, mask, **kwargs)
+    assert_same(loss_and_grad(policy_loss_torch, logp, old_logp, advantages, mask, **kwargs), expected, 1e-12)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_triton_matches_reference(agg, config, poisoned_empty):
+    logp, old_logp, advantages, mask, ref_logp = batch(B=3, T=1500, dtype=torch.float32, device=TRITON_DEVICE)
+    kwargs = dict(CONFIGS[config], agg=agg, loss_kind="cispo")
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    expected = loss_and_grad(policy_loss_reference, *(t.double() for t in (logp, old_logp, advantages, mask)),
+                             **{k: (v.double() if torch.is_tensor(v) else v) for k, v in kwargs.items()})
+    assert_same(loss_and_grad(policy_loss_triton, logp, old_logp, advantages, mask, **kwargs), expected, 2e-6)
+
+
+def test_edge_ratios():
+    # ratios at the band's edges (closed: no clip counted), beyond them, and |logp - old| = 50 (the log-ratio clamp):
+    # CISPO's gradient there is -A times the clip bound, finite and not zero (PPO's is zero)
+    log_ratio = torch.cat([t64([1.0, 1.25, 0.75, 1.5, 0.5]).log(), t64([50.0, -50.0, 20.0, -20.0])])
+    advantages = torch.stack([torch.full_like(log_ratio, a) for a in (0.0, 1.0, -1.0, -7.0)])  # [4, 9]
+    old_logp = torch.full_like(advantages, -1.0)
+    logp, mask = old_logp + log_ratio, torch.ones_like(advantages)
+    kwargs = dict(clip_low=0.25, clip_high=0.25, loss_kind="cispo")
+    expected = loss_and_grad(policy_loss_reference, logp, old_logp, advantages, mask, **kwargs)
+    assert_same(loss_and_grad(policy_loss_torch, logp, old_logp, advantages, mask, **kwargs), expected, 1e-12)
+    got = loss_and_grad(policy_loss_triton, *(t.float().to(TRITON_DEVICE) for t in (logp, old_logp, advantages, mask)),
+                        **kwargs)
+    # float32: r at the band's edges rounds to either side (clipfrac may differ), but clip(r) is continuous there
+    assert abs(got[0].item() - expected[0].item()) <= 2e-6 * abs(expected[0].item())
+    assert (got[1].double().cpu() - expected[1]).abs().max().item() <= 2e-6
+    # token-mean over 36: d loss / d logp = -A clip(r) / 36; at r = e^50, clip(r) = 1.25
+    assert expected[1][1, 5].item() == pytest.approx(-1.25 / 36, abs=1e-15)
+    assert expected[1][3, 6].item() == pytest.approx(7 * 0.75 / 36, abs=1e-15)
+    assert expected[2]["clipfrac"] == pytest.approx(6 / 9)  # 1.5, 0.5 and the four clamped ones; not 1.25, 0.75
+
+
+def test_gradcheck_float64():
+    # Finite differences see the weight move with logp, which the stop-gradient hides: gradcheck applies where the
+    # weight is locally constant, every ratio outside the band (r = e or 1/e, the weight 1 + clip_high or
+    # 1 - clip_low). There it checks the closed-form gradient, the KL term's, the entropy's and dz through T.
+    logp, _, advantages, mask, ref_logp = batch(B=2, T=5)
+    old_logp = logp + torch.where(torch.rand(logp.shape) > 0.5, 1.0, -1.0).to(F64)
+    for kwargs in (dict(), dict(kl_coef=0.3, kl_kind="k3", ref_logp=ref_logp, agg="seq-mean-token-mean")):
+        assert torch.autograd.gradcheck(
+            lambda x: policy_loss_torch(x, old_logp, advantages, mask, loss_kind="cispo", **kwargs)[0],
+            (logp.clone().requires_grad_(),))
+    hidden, weight, labels, _, advantages, mask, ref_logp = linear_batch(2, 4, 5, 7, dtype=F64)
+    logp = ppo_kernels.linear_token_logprobs_reference(hidden, weight, labels, temperature=0.7)
+    old_logp = logp + torch.where(torch.rand(logp.shape) > 0.5, 1.0, -1.0).to(F64)
+    kwargs = dict(temperature=0.7, entropy_coef=0.3, kl_coef=0.1, ref_logp=ref_logp, agg="seq-mean-token-mean")
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_policy_loss_torch(h, w, labels, old_logp, advantages, mask, loss_kind="cispo", **kwargs)[0],
+        (hidden.clone().requires_grad_(), weight.clone().requires_grad_()))
+
+
+LINEAR_CONFIGS = [
+    dict(temperature=0.7),
+    dict(agg="seq-mean-token-mean", kl_coef=0.1, kl_kind="k3", clip_low=10.0, clip_high=0.28),
+    dict(agg="seq-mean-token-sum-norm", entropy_coef=0.05, temperature=1.3, kl_coef=0.05, kl_kind="k2"),
+]
+ERRORS = {}  # (impl, config, name) -> (kernel's max error, reference's max error) against float64, for the report
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("config", range(len(LINEAR_CONFIGS)))
+def test_linear_policy_loss_no_worse_than_the_reference_in_float32(impl, config, monkeypatch, poisoned_empty):
+    # loss, dhidden and dweight of the fused paths in float32 against the naive reference in float64 (the truth):
+    # the kernel's error no larger than the float32 reference's own, as tests/test_kernels_loss.py asks of PPO
+    if impl == "torch":
+        monkeypatch.setattr(loss_module, "TORCH_LOSS_TILE_ELEMENTS", 13 * 1000)  # several row tiles
+    fn = linear_policy_loss_torch if impl == "torch" else linear_policy_loss_triton
+    device = "cpu" if impl == "torch" else TRITON_DEVICE
+    torch.manual_seed(config)
+    hidden, weight, labels, old_logp, advantages, mask, ref_logp = linear_batch(3, 40, 32, 1000, device=device)
+    kwargs = dict(LINEAR_CONFIGS[config], loss_kind="cispo")
+    if "kl_coef" in kwargs:
+        kwargs["ref_logp"] = ref_logp
+    args = (labels, old_logp, advantages, mask)
+    truth, reference = truth_and_reference(hidden, weight, args, kwargs)
+    got = linear_loss_and_grads(fn, hidden, weight, *args, **kwargs)
+    ppo = linear_loss_and_grads(linear_policy_loss_reference_f64, hidden, weight, *args,
+                                **dict(kwargs, loss_kind="ppo", clip_low=0.2))
+    assert (ppo[1] - truth[1].cpu()).abs().max().item() > 1e-3  # CISPO's gradient is not PPO's
+    for name, k, r, t in zip(("loss", "dhidden", "dweight"), got[:3], reference[:3], truth[:3]):
+        err_kernel = (k.double().cpu() - t.cpu()).abs().max().item()
+        err_reference = (r.double().cpu() - t.cpu()).abs().max().item()
+        ERRORS[(impl, config, name)] = (err_kernel, err_reference)
+        assert err_kernel <= err_reference + 1e-6 * max(1.0, t.abs().max().item()), (name, err_kernel, err_reference)
+    assert set(got[3]) == set(truth[3]) and "dual_clipfrac" not in got[3]
+    for key in truth[3]:
+        assert abs(got[3][key] - truth[3][key]) <= 1e-5 * max(1.0, abs(truth[3][key])), key
+    assert (got[1][labels == -100] == 0).all() and (got[1][mask == 0] == 0).all()
+
+
+def linear_policy_loss_reference_f64(hidden, weight, *args, **kwargs):
+    """The naive reference in float64 (PPO's gradient, to show CISPO's differs)."""
+    return ppo_kernels.linear_policy_loss_reference(f64(hidden), f64(weight), *map(f64, args),
+                                                    **{k: f64(v) for k, v in kwargs.items()})
+
+
+# ---------------------------------------------------------------- the config and the training loop
+
+def test_config_refuses_dual_clip_with_cispo_and_allows_what_it_reads(capsys, tmp_path):
+    assert main(["--policy_loss_kind=cispo", "--dual_clip=3", f"--out={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("ppo-train: error: config key 'dual_clip' has no effect with policy_loss_kind='cispo' (")
+    assert not (tmp_path / "run").exists()
+    build_config({}, {"policy_loss_kind": "cispo", "clip_low": "10", "clip_high": "0.28"})  # no lower bound
+    with pytest.raises(ConfigError, match="config key 'clip_low' must be < 1"):
+        build_config({}, {"clip_low": "10"})  # PPO's clip needs a positive lower bound
+    off_policy = {"off_policy_correction": "tis", "old_logprobs_from_rollout": "false"}
+    build_config({}, {"policy_loss_kind": "cispo", **off_policy})  # the weights multiply any token-level loss
+    with pytest.raises(ConfigError, match="off_policy_correction"):
+        build_config({}, {"policy_loss_kind": "gspo", "adv_estimator": "grpo", "n_samples_per_prompt": "2",
+                          **off_policy})
+
+
+def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeypatch):
+    """policy_objective with policy_loss_kind=cispo: the fused kernel (called with loss_kind='cispo') and the plain
+    path (full logits + algo.cispo_policy_loss) give the same loss and gradients, with the KL loss term, the entropy
+    bonus and an off-policy correction's weights; the loss-path line names each."""
+    from ppo_core.model import load_model
+    from ppo_core.rollout import response_logprobs, sample_responses
+    from ppo_core.tasks import eval_prompts
+    from ppo_core.tokenizer import load_tokenizer
+    from ppo_core.update import policy_objective
+
+    calls = []
+    real = ppo_kernels.linear_policy_loss
+    monkeypatch.setattr(ppo_kernels, "linear_policy_loss",
+                        lambda *a, **k: calls.append(k["loss_kind"]) or real(*a, **k))
+    tok, policy = load_tokenizer(DEMO_CHECKPOINT), load_model(DEMO_CHECKPOINT)
+    gen = torch.Generator().manual_seed(0)
+    sizes = {"rollout_batch_size": "6", "minibatch_size": "6", "micro_batch_size": "6"}
+    cfg0 = build_config({}, sizes)
+    prompt_ids, prompt_mask, tokens, rm, _, _ = sample_responses(policy, tok, eval_prompts(6, 0), cfg0, gen)
+    ids, am, P = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, rm.bool()], 1), prompt_ids.shape[1]
+    logp = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach()
+    old = logp - 0.3 * torch.rand(rm.shape, generator=gen) * rm  # ratios up to e^0.3: some weights clipped
+    ref = old + 0.1 * torch.randn(old.shape, generator=gen) * rm
+    behav = old + 0.3 * torch.randn(old.shape, generator=gen) * rm
+    adv = torch.randn(old.shape, generator=gen) * rm
+    agg = dict(agg="seq-mean-token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(6.0))
+    knobs = {"policy_loss_kind": "cispo", "clip_high": "0.1", "entropy_coef": "0.05", "kl_in_reward": "false",
+             "off_policy_correction": "tis", "off_policy_cap": "1.2", "old_logprobs_from_rollout": "false", **sizes}
+    results = {}
+    for fused in ("true", "false"):
+        cfg = build_config({}, {**knobs, "fused_kernels": fused})
+        policy.zero_grad()
+        loss, pg_loss, kl_loss, stats = policy_objective(policy, ids, am, rm, old, adv, ref, P, cfg, 0.2, agg,
+                                                         behav_logp=behav)
+        loss.backward()
+        results[fused] = (loss.item(), pg_loss.item(), kl_loss.item(), stats["clipfrac"].item(),
+                          stats["corrected_frac"].item(), {n: p.grad.clone() for n, p in policy.named_parameters()})
+        line = loss_paths(cfg, "cpu")
+        if fused == "true":
+            assert calls == ["cispo"] and line.startswith("policy loss: fused linear_policy_loss (chunked torch; "
+                                                          "loss_kind='cispo'")
+        else:
+            assert calls == ["cispo"] and "algo.cispo_policy_loss" in line and "fused linear" not in line
+        assert "off_policy_correction='tis'" in line
+    (*fused_scalars, fused_grads), (*plain_scalars, plain_grads) = results["true"], results["false"]
+    assert 0 < plain_scalars[3] < 1 and 0 < plain_scalars[4] < 1  # some weights clipped, some tokens truncated
+    assert fused_scalars == pytest.approx(plain_scalars, abs=1e-6)
+    for name in plain_grads:
+        assert torch.allclose(fused_grads[name], plain_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_ppo_train_with_cispo_trains(tmp_path):
+    """The smoke run a user would make: ppo-train on the demo with --policy_loss_kind=cispo (no lower clip, as the
+    paper), two tiny iterations: finite losses, the loss-path line names the fused CISPO kernel, the weights move."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppo_core.train", "--policy_loss_kind=cispo", "--clip_low=10", "--clip_high=0.28",
+         "--adv_estimator=grpo", "--iterations=2", "--eval_size=8", "--rollout_batch_size=4",
+         "--n_samples_per_prompt=4", "--minibatch_size=8", "--micro_batch_size=8", "--ppo_epochs=1",
+         "--max_new_tokens=8", "--progress=false", f"--out={out}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\nloss paths: policy loss: fused linear_policy_loss (chunked torch; loss_kind='cispo'" in proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    assert all(math.isfinite(r["policy/loss"]) and 0 <= r["policy/clipfrac"] <= 1 for r in rows)
+    assert "policy/dual_clipfrac" not in rows[0]
+    start = load_file(os.path.join(DEMO_CHECKPOINT, "model.safetensors"))
+    trained = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
+    moved = max((trained[k].float() - start[k].float()).abs().max().item() for k in start)
+    assert moved > 1e-4
