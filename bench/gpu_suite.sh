@@ -4,7 +4,7 @@
 # default job. Every step has its own time limit, a failing step does not stop the others, and the tables go to
 # $OUT/tables.md (all output to $OUT/steps.log; $OUT defaults to runs/gpu-suite).
 #
-#     bash bench/gpu_suite.sh               # on the GPU machine; then copy the tables into bench/RESULTS.md
+#     bash bench/gpu_suite.sh               # on the GPU machine; then copy the tables into bench/results/gpu-h200.md
 #     bash bench/gpu_suite.sh --cpu-smoke   # every step on the CPU (Triton interpreter, toy shapes); CI runs it
 #
 # Budget on one H100/H200 (expected time: estimates, not measurements; limit: the step's `timeout`). A step also

@@ -61,7 +61,7 @@ SHARED_PREFIX_MIN_BYTES = 4 * 2**20
 this many bytes of keys and values gathered per layer (shared_prefix_groups). The extra pass and merge cost a fixed
 few ops a layer: on an AVX2-only EPYC (Zen 2), 2 threads, SmolLM2-135M's heads (1.5 KB of keys and values a
 position), saving 768 positions (4 groups x 3 x 64) was 1.74x slower, 1,792 positions level (1.00x, 0.98x), 3,584
-positions 0.76x and 14,336 (workload C) 0.56x the time of gathering every sequence's keys (bench/RESULTS.md)."""
+positions 0.76x and 14,336 (workload C) 0.56x the time of gathering every sequence's keys (bench/results/decode-attention-cpu.md)."""
 GATHER_AT_ONCE_BYTES = 16 * 2**20
 GATHER_CHUNK_BYTES = 3 * 2**20
 """CPU decode steps gather the visible keys and values of all their sequences at once while those come to at most
@@ -71,7 +71,7 @@ the gather writes out to memory and the matmuls read back. Measured on an AVX2-o
 2 threads, layer after layer (bench/decode_attention_cpu.py --layers 30, 64 sequences): chunks took 0.78x and 0.83x
 the time of one gather at 320 and 640 positions at SmolLM2-135M's heads (31 and 63 MB of keys and values a layer),
 0.72x at Qwen3-0.6B's (84 MB); at 160 positions (16 MB) the two were level from run to run, and workload C's own
-keys (up to 13 MB) ran 1.02x slower in chunks (bench/RESULTS.md). Chunks of 1.5 and 6 MiB did worse than 3 (160
+keys (up to 13 MB) ran 1.02x slower in chunks (bench/results/decode-attention-cpu.md). Chunks of 1.5 and 6 MiB did worse than 3 (160
 and 320 positions: 2.57 and 3.04, 5.10 and 5.82 against 2.48 and 4.69 ms a layer). A whole decode step of
 SmolLM2-135M, 64 sequences at ~300 positions: 292.7 ms against 387.7 (bench/decode_steps.py --one-gather)."""
 

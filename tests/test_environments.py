@@ -262,11 +262,11 @@ def test_qwen3_template_plays_tool_turns_incrementally_with_thinking_on(tmp_path
 
 
 def test_the_readme_environment_example_runs():
-    """The README's my_env.py, as printed there: a calculator call is answered, the right answer scores 1."""
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    code = readme.split("```python\n# my_env.py\n", 1)[1].split("```", 1)[0]
+    """docs/agents.md's my_env.py, as printed there: a calculator call is answered, the right answer scores 1."""
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "agents.md")).read()
+    code = page.split("```python\n# my_env.py\n", 1)[1].split("```", 1)[0]
     namespace = {}
-    exec(compile(code, "README.md:my_env.py", "exec"), namespace)
+    exec(compile(code, "docs/agents.md:my_env.py", "exec"), namespace)
     env = namespace["Multiply"]()
     assert env.reset({"prompt": "12*34", "answer": "408"})[0]["content"] == "What is 12*34? Use the calculator."
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'

@@ -13,7 +13,7 @@ with tl.dot has the MMA instructions its launch calls for (`tensor_core_problem`
 on sm_90a, `mma.sync ... .bf16.bf16` on sm_80) for bf16 operands, none for fp32 operands whose tl.dot asks for
 "ieee". The variants include a batch whose [N, V] logits pass 2^31 elements (64-bit offsets); probes (altered
 launches, tests/triton_compile.py PROBES) check the tensor-core rule itself. Nothing is cached across runs. The
-run's summary line (the variant count, the most registers) is printed to the terminal; bench/RESULTS.md quotes it.
+run's summary line (the variant count, the most registers) is printed to the terminal; bench/results/kernels-compile.md quotes it.
 """
 import contextlib
 import json

@@ -37,7 +37,7 @@ def strip_wall_clock(rows):
 
 PRECISIONS = ["float32", "bf16-mixed"]  # dtype='auto' is one of them, by the CPU (tests/test_precision.py)
 # bf16-mixed on a CPU whose oneDNN has no bf16 kernels (AVX2 only) runs on torch's generic kernels at about 6x
-# float32's time (bench/RESULTS.md): 260 s of this suite for the 60 iterations on an AVX2-only EPYC (Zen 2). There
+# float32's time (bench/results/default-job.md): 260 s of this suite for the 60 iterations on an AVX2-only EPYC (Zen 2). There
 # the job runs its first 20 iterations, which clear the same bar (measured on that EPYC: 0.37 -> 0.84 sampled, the
 # bar 0.69). 'auto' never picks bf16 on such a CPU, so the default job itself is the float32 run there.
 ITERATIONS = {"float32": 60, "bf16-mixed": 60 if bf16_matmul_hardware("cpu") else 20}
