@@ -14,10 +14,11 @@ setup(
     python_requires=">=3.10",
     # `kernels/` is installed under the import name `ppo_kernels`: a top-level module called
     # `kernels` would clash with an existing PyPI package of that name.
-    packages=["ppo_core", "ppo_kernels"],
+    packages=["ppo_core", "ppo_core.models", "ppo_core.engine", "ppo_core.rewards", "ppo_core.agents", "ppo_core.data",
+              "ppo_core.run", "ppo_kernels"],
     package_dir={"ppo_core": "ppo_core", "ppo_kernels": "kernels"},
     # the tiny SFT checkpoint of the default job ships inside the package, so `ppo-train` works anywhere
-    package_data={"ppo_core": ["demo/*/*", "judge_templates/*.jinja"]},
+    package_data={"ppo_core": ["demo/*/*", "rewards/judge_templates/*.jinja"]},
     install_requires=[
         # No triton here: torch's CUDA wheels bring the triton they were built with, and a CPU-only install
         # runs the torch paths (ppo_kernels imports without triton). Only the interpreter-mode tests need it: [test].
@@ -47,8 +48,8 @@ setup(
     entry_points={
         "console_scripts": [
             "ppo-train=ppo_core.train:main",
-            "ppo-plan=ppo_core.plan:main",
-            "ppo-serve-reward=ppo_core.reward_server:main",
+            "ppo-plan=ppo_core.run.plan:main",
+            "ppo-serve-reward=ppo_core.rewards.server:main",
         ],
     },
 )

@@ -3,7 +3,7 @@
     python bench/agents.py                 # 32 episodes, SmolLM2-135M shape with random weights, 2 threads (~2 min)
     python bench/agents.py --quick         # a 2-layer model, 8 episodes
 
-Each episode (what ppo_core.environments.run_episodes wires up, here straight on the engine's on_turn_end) is a
+Each episode (what ppo_core.agents.environments.run_episodes wires up, here straight on the engine's on_turn_end) is a
 prompt of 32 random tokens, then turns of --turn-tokens sampled tokens, each answered by a tool that sleeps before
 returning a 12-token observation, for --turns turns. Tools are slow unevenly, as real ones are: episode i's sleeps
 --tool-ms x (0.25 + 1.5 i / (n - 1)) (the mean is --tool-ms, the slowest 1.75x). The tools run in a thread pool; a
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ppo_core.engine import RolloutEngine  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs, read_config  # noqa: E402
+from ppo_core.models.model import CausalLM, ModelArgs, read_config  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "models", "SmolLM2-135M")
 

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from bench.packed_passes import cpu_name  # noqa: E402
-from ppo_core import checkpoint  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs, load_model, load_score_model, read_config  # noqa: E402
-from ppo_core.tokenizer import load_tokenizer  # noqa: E402
+from ppo_core.run import checkpoint  # noqa: E402
+from ppo_core.models.model import CausalLM, ModelArgs, load_model, load_score_model, read_config  # noqa: E402
+from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
 from ppo_core.train import DEMO_CHECKPOINT  # noqa: E402
 from random_weights import randomize  # noqa: E402
 

@@ -30,7 +30,7 @@ Every way is checked against a float64 reference first. The rows are medians of 
 --shared: --groups groups of --group-size sequences, each group sharing its first --prefix positions (whole blocks)
 and every sequence --positions more of its own, two ways:
   gathered          every sequence's keys gathered (the shared ones once per sequence), two batched matmuls
-  shared once       the engine's way (ppo_core.engine.partial_attention): the shared blocks gathered once per group
+  shared once       the engine's way (ppo_core.engine.rollout_engine.partial_attention): the shared blocks gathered once per group
                     and attended by the group's queries as rows of one matmul, each sequence's own keys as above,
                     the two parts merged by log-sum-exp
 """
@@ -75,7 +75,7 @@ def main():
     torch.manual_seed(0)
     if args.chunk_bytes is None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from ppo_core.engine import GATHER_CHUNK_BYTES
+        from ppo_core.engine.rollout_engine import GATHER_CHUNK_BYTES
 
         args.chunk_bytes = GATHER_CHUNK_BYTES
     if args.shared:
@@ -192,7 +192,7 @@ def check_and_time(ways, reference, repeats, title, per=1):
 
 def shared_prefix(args):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from ppo_core.engine import partial_attention
+    from ppo_core.engine.rollout_engine import partial_attention
 
     n_groups, n, P, own = args.groups, args.group_size, args.prefix, args.positions
     nkv, G, hs, bs = args.kv_heads, args.group, args.head_dim, args.block_size

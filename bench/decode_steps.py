@@ -12,7 +12,7 @@ warm-up. The checkpoint is bench/rollout.py's (written once into its cache direc
     python bench/decode_steps.py --batches 16 64 --prompt-len 288 --one-gather   # long contexts
 
 --one-gather adds the engine with gather_chunk_bytes=None: each decode step's keys and values gathered all at once,
-as before the engine gathered them a few sequences at a time (ppo_core.engine.GATHER_CHUNK_BYTES).
+as before the engine gathered them a few sequences at a time (ppo_core.engine.rollout_engine.GATHER_CHUNK_BYTES).
 
     python bench/decode_steps.py --batches 1 4 16 64 --long 72 --vllm   # and vLLM's CPU build, step for step
 

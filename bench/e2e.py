@@ -7,9 +7,9 @@
 
 Both sides train the same thing, built here without any network in a scratch directory (--workdir, default a
 temporary one): a checkpoint with the architecture of configs/models/SmolLM2-135M and random weights written by
-ppo_core.model (policy = reference, a value model and a reward model, both *ForSequenceClassification with one
+ppo_core.models.model (policy = reference, a value model and a reward model, both *ForSequenceClassification with one
 label, as TRL's PPOTrainer requires and ppo-core's `critic` / `reward_model` read), a tokenizer.json that
-transformers and ppo_core.tokenizer both load, and --batch prompts of exactly --prompt tokens. Per iteration: one
+transformers and ppo_core.models.tokenizer both load, and --batch prompts of exactly --prompt tokens. Per iteration: one
 rollout of --batch prompts x exactly --new new tokens (temperature 1), scored by the reward model, old log-probs,
 reference log-probs and values, then --ppo-epochs passes over --minibatches minibatches (one micro-batch each:
 one optimizer step per minibatch), AdamW with the same lr, betas, eps and no weight decay for policy and value
@@ -59,7 +59,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ppo_core import model as ppo_model  # noqa: E402
+from ppo_core.models import model as ppo_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "..", "configs", "models", "SmolLM2-135M")
@@ -136,7 +136,7 @@ def write_checkpoints(workdir, config):
 
 
 def write_tokenizer(path, vocab_size):
-    """A tokenizer over every id, which transformers (PreTrainedTokenizerFast) and ppo_core.tokenizer both load.
+    """A tokenizer over every id, which transformers (PreTrainedTokenizerFast) and ppo_core.models.tokenizer both load.
 
     Id i is the word "t{i}" (ids 0 and 1: EOS and PAD). Text is split at spaces and each word gets a leading "▁"
     (Metaspace); decoding turns each "▁" back into a space, so a decoded response starts with one: ppo-core's reward
@@ -228,7 +228,8 @@ def count_full_rows(responses, response_mask, new):
 # ---------------------------------------------------------------------------------------- the ppo-core worker
 def run_ppo_core(args, paths, precision, side):
     """ppo_core.train.run on the scratch checkpoint, in this process; -> the result dict (see main)."""
-    from ppo_core import rollout, runlog, train
+    from ppo_core import rollout, train
+    from ppo_core.run import runlog
     from ppo_core import config as ppo_config
     from ppo_core.config import PPOConfig
 

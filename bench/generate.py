@@ -73,7 +73,7 @@ def random_model(cfg, device, seed=0):
 
 def read_config(config_dir, layers=None, vocab=None):
     """config_dir/config.json, optionally cut to its first `layers` layers and a `vocab`-token vocabulary."""
-    cfg = ppo_core.model.read_config(config_dir)
+    cfg = ppo_core.models.model.read_config(config_dir)
     if layers:
         cfg = {**cfg, "num_hidden_layers": layers}
         if cfg.get("layer_types"):

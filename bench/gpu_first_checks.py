@@ -16,7 +16,7 @@ One line per check, `ok`, `FAILED` or `skipped`, with what was chosen or measure
                  graph either way; with and without top-p), all under torch.use_deterministic_algorithms(True):
                  torch's docstring lists CUDA float cumsum as raising there. Nothing may raise, and two runs
                  must give the same tokens.
-  checkpoint RNG save_checkpoint / load_training_state (ppo_core/checkpoint.py): after a restore, the global CPU
+  checkpoint RNG save_checkpoint / load_training_state (ppo_core/run/checkpoint.py): after a restore, the global CPU
                  and CUDA RNGs, a CUDA and a CPU torch.Generator, Python's and NumPy's RNGs draw what they drew
                  right after the save.
   distributed    distributed.init on this device (set_device on CUDA), then the process group the trainer makes
@@ -26,7 +26,7 @@ One line per check, `ok`, `FAILED` or `skipped`, with what was chosen or measure
   cuda graph     decoding under bf16 autocast with fp32 weights, as the trainer does (`CUDAGraphStep`, on by
                  default): the captured and replayed step gives the tokens and log-probs of the eager static
                  step, for the shipped demo policy and a random Qwen3-style model.
-  engine graphs  the rollout engine's decode-only steps replayed as CUDA graphs (ppo_core.static_decode, on by
+  engine graphs  the rollout engine's decode-only steps replayed as CUDA graphs (ppo_core.engine.static_decode, on by
                  default on CUDA) against the same steps run eagerly on the static buffers and against the dynamic
                  steps, on a random Qwen3-0.6B-shaped model (fp32 weights, bf16 autocast: the trainer's rollout),
                  64 prompts of 32 tokens, greedy: the decode step's time in each mode ((wall of 40 new tokens - wall
@@ -58,11 +58,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ppo_core  # noqa: E402
-from ppo_core import checkpoint, distributed  # noqa: E402
-from ppo_core.generate import filter_logits, sample_from_probs  # noqa: E402
+from ppo_core.run import checkpoint, distributed  # noqa: E402
+from ppo_core.engine.generate import filter_logits, sample_from_probs  # noqa: E402
 from ppo_core.engine import RolloutEngine  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs, load_model, read_config  # noqa: E402
-from ppo_core.tokenizer import load_tokenizer  # noqa: E402
+from ppo_core.models.model import CausalLM, ModelArgs, load_model, read_config  # noqa: E402
+from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
 from ppo_core.rollout import response_logprobs  # noqa: E402
 from ppo_core.train import DEMO_CHECKPOINT  # noqa: E402
 
@@ -95,7 +95,7 @@ def prompts(vocab, device, B=6, P=10, seed=0):
 # ------------------------------------------------------------------------------------------------ the checks
 def check_dispatch(device):
     from ppo_core.config import build_config
-    from ppo_core.precision import precision_line, resolve_precision
+    from ppo_core.run.precision import precision_line, resolve_precision
     import ppo_kernels
     from ppo_kernels import linear_logprobs
 

@@ -51,12 +51,12 @@ from trl.trainer.utils import nanstd  # noqa: E402
 from bench.trl_grpo import (DEFAULT_CONFIG, chat_dataset, check_prompt_tokens, grpo_config,  # noqa: E402
                             last_number_reward_on_messages, recipe)
 from ppo_core import algo, load_model, load_tokenizer  # noqa: E402
-from ppo_core.packing import token_budget_micro_batches  # noqa: E402
-from ppo_core.prompts import load_rows  # noqa: E402
+from ppo_core.data.packing import token_budget_micro_batches  # noqa: E402
+from ppo_core.data.prompts import load_rows  # noqa: E402
 from ppo_core.rollout import (Rollout, encode_prompts, micro_batches, response_labels,  # noqa: E402
                               response_logprobs, sample_responses)
 from ppo_core.update import compute_advantages, minibatch_gradients  # noqa: E402
-from ppo_core.verifiers import last_number_reward  # noqa: E402
+from ppo_core.rewards.verifiers import last_number_reward  # noqa: E402
 
 TRL_ADV_EPS = 1e-4  # grpo_trainer.py, _generate_and_score_completions: advantages / (std_rewards + 1e-4)
 GROUPS = ("embed/lm_head", "attention", "mlp", "norms")

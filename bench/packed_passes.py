@@ -22,7 +22,7 @@ models were built (activations, gradients, AdamW state: each mode in a process o
 
 The attention table (--only attention, also printed first by default): one micro-batch's attention at the
 SmolLM2-135M head shape (9 query heads, 3 KV heads, head size 64), forward + backward, packed as the model runs it
-(ppo_core.model.packed_attention: one causal SDPA call per sequence) against one SDPA call over the whole pack with a
+(ppo_core.models.model.packed_attention: one causal SDPA call per sequence) against one SDPA call over the whole pack with a
 block-diagonal causal mask.
 """
 import argparse
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from ppo_core import rollout as rollout_module  # noqa: E402
 from ppo_core.config import build_config  # noqa: E402
-from ppo_core.model import CausalLM, ModelArgs, ScoreModel, attention, packed_attention, read_config  # noqa: E402
+from ppo_core.models.model import CausalLM, ModelArgs, ScoreModel, attention, packed_attention, read_config  # noqa: E402
 from ppo_core.rollout import Sampled, rollout_forward  # noqa: E402
 from ppo_core.update import Optimizers, compute_advantages, ppo_update  # noqa: E402
 

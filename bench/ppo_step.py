@@ -5,7 +5,7 @@
     python bench/ppo_step.py --only attention     # only the attention table (or: --only step)
 
 What it builds, in a scratch directory (--workdir, default a temporary one):
-  - a checkpoint with the architecture of configs/models/Qwen3-0.6B and random weights (ppo_core.model's
+  - a checkpoint with the architecture of configs/models/Qwen3-0.6B and random weights (ppo_core.models.model's
     save_pretrained, bf16 on a GPU);
   - a tokenizer.json whose vocabulary covers every id (a WordLevel model over "t0" .. "t151935", with the config's
     EOS id as "<|im_end|>"): random weights sample any id, and every sampled id must decode;
@@ -40,8 +40,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ppo_core import model as ppo_model  # noqa: E402
-from ppo_core import runlog, train  # noqa: E402
+from ppo_core.models import model as ppo_model  # noqa: E402
+from ppo_core.run import runlog
+from ppo_core import train  # noqa: E402
 from ppo_core.rollout import response_logprobs, response_values  # noqa: E402
 from ppo_core.update import policy_objective  # noqa: E402
 from ppo_core.config import PPOConfig  # noqa: E402

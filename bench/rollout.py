@@ -107,10 +107,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 import ppo_core  # noqa: E402
-from ppo_core.generate import sample_from_probs  # noqa: E402
-from ppo_core.model import KVCache, ModelArgs, can_pack_for_cpu, cpu_packed_linears, read_config  # noqa: E402
-from ppo_core.prompts import load_rows, split_held_out  # noqa: E402
-from ppo_core.tokenizer import load_tokenizer  # noqa: E402
+from ppo_core.engine.generate import sample_from_probs  # noqa: E402
+from ppo_core.models.model import KVCache, ModelArgs, can_pack_for_cpu, cpu_packed_linears, read_config  # noqa: E402
+from ppo_core.data.prompts import load_rows, split_held_out  # noqa: E402
+from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
 
 CONFIGS = os.path.join(HERE, "..", "configs", "models")
 HELPER = os.path.join(HERE, "rollout_vllm.py")

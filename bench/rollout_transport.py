@@ -1,6 +1,6 @@
 """A rollout from a rollout worker to the trainer: its tensors as messages of their own against the same rollout as
 JSON text (sampled_state's lists, as the checkpoint holds it). Both travel by the worker's own protocol,
-ppo_core.rollout_worker's send_message / recv_message: the JSON text as one byte tensor.
+ppo_core.run.rollout_worker's send_message / recv_message: the JSON text as one byte tensor.
 
     python bench/rollout_transport.py                      # 128 and 512 responses of 4096 tokens (~1 min)
     python bench/rollout_transport.py --rows 64 --tokens 1024
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ppo_core.rollout import Sampled, sampled_from_state, sampled_state  # noqa: E402
-from ppo_core.rollout_worker import recv_message, send_message  # noqa: E402
+from ppo_core.run.rollout_worker import recv_message, send_message  # noqa: E402
 
 
 def rollout(rows, tokens, prompt=256):

@@ -18,8 +18,8 @@ import torch
 
 from packed_passes import cpu_name  # bench/, first on the path when this script runs
 from ppo_core.engine import RolloutEngine
-from ppo_core.model import load_model
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.models.model import load_model
+from ppo_core.models.tokenizer import load_tokenizer
 
 QUESTIONS = ["What is {a} + {b}? Reply with just the number.", "Name a colour that starts with the letter {c}.",
              "Write one sentence about the number {a}.", "What is {a} times {b}?"]

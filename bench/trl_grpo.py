@@ -62,11 +62,11 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from bench.packed_passes import cpu_name  # noqa: E402  (bench/ is off the path, the repository root on it)
 from ppo_core import load_model, load_tokenizer  # noqa: E402
 from ppo_core.config import build_config, load_toml, rollout_rows  # noqa: E402
-from ppo_core.precision import resolve_precision  # noqa: E402
-from ppo_core.prompts import load_rows, split_held_out  # noqa: E402
-from ppo_core.reward_source import make_reward_source  # noqa: E402
+from ppo_core.run.precision import resolve_precision  # noqa: E402
+from ppo_core.data.prompts import load_rows, split_held_out  # noqa: E402
+from ppo_core.rewards.source import make_reward_source  # noqa: E402
 from ppo_core.rollout import evaluate, prompt_token_ids  # noqa: E402
-from ppo_core.verifiers import last_number_reward  # noqa: E402
+from ppo_core.rewards.verifiers import last_number_reward  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(HERE), "configs", "grpo-smollm2-135m-addition.toml")
 EVAL_SEED_OFFSET = 12345  # ppo_core.train: eval_seed = cfg.seed + 12345
@@ -80,7 +80,7 @@ RECIPE_ASSUMPTIONS = {  # PPOConfig field: the value `grpo_config`'s mapping ass
     "loss_agg": "token-mean",  # TRL: loss_type="bnpo"
     "kl_in_reward": False, "kl_loss_kind": "k3",  # TRL: beta * k3 added to the per-token loss
     "min_lr_ratio": 1.0,  # constant after the warm-up: TRL's constant_with_warmup
-    "chat_template": True, "reward_fn": ["ppo_core.verifiers:last_number_reward"],
+    "chat_template": True, "reward_fn": ["ppo_core.rewards.verifiers:last_number_reward"],
     "dual_clip": 0.0, "entropy_coef": 0.0, "target_kl": 0.0, "lora_rank": 0,
     "missing_eos_penalty": 0.0, "overlong_buffer": 0, "reward_clip": 0.0, "whiten_rewards": False,
     "filter_groups": False, "old_logprobs_from_rollout": False, "off_policy_correction": "none",
@@ -192,7 +192,7 @@ def chat_dataset(rows):
 
 
 def last_number_reward_on_messages(prompts, completions, answer, **kwargs):
-    """ppo_core.verifiers.last_number_reward under TRL's reward-function signature: conversational prompts and
+    """ppo_core.rewards.verifiers.last_number_reward under TRL's reward-function signature: conversational prompts and
     completions arrive as lists of messages; the reward reads the completion's text and the row's answer."""
     return last_number_reward([p[-1]["content"] for p in prompts], [c[-1]["content"] for c in completions], answer)
 

@@ -13,7 +13,7 @@ The layout (the rollout engine's; fixed):
     seq_lens          [B] int32 >= 1
 Table entries past a sequence's end, and (with a window) those of blocks lying wholly before the window, may be -1:
 they are never read. `window` follows transformers' sliding-window convention: a query sees itself and the
-window - 1 keys before it. Attention runs in the cache's dtype, as ppo_core.model.KVCache's does: q is cast to the
+window - 1 keys before it. Attention runs in the cache's dtype, as ppo_core.models.model.KVCache's does: q is cast to the
 cache's dtype first (a no-op when they match), the products and the softmax are fp32 (fp64 for fp64 inputs on the
 torch path), and the result comes back in q's dtype.
 

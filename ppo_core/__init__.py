@@ -8,12 +8,12 @@
     rm = ppo_core.load_reward_model("path/to/Skywork-Reward-V2-Qwen3-0.6B")   # rm.score(ids, mask) -> [B]
 """
 from .engine import RolloutEngine
-from .generate import generate
-from .model import (
+from .engine.generate import generate
+from .models.model import (
     CausalLM, CheckpointError, KVCache, ModelArgs, ScoreModel, count_parameters, load_model, load_reward_model,
     load_score_model,
 )
-from .tokenizer import load_tokenizer
+from .models.tokenizer import load_tokenizer
 
 __all__ = ["CausalLM", "CheckpointError", "KVCache", "ModelArgs", "RolloutEngine", "ScoreModel", "count_parameters", "generate",
            "load_model", "load_reward_model", "load_score_model", "load_tokenizer"]

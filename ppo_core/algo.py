@@ -239,7 +239,7 @@ other kind, so a kind this module does not implement is never trained as another
 
 def policy_loss_function(kind):
     """The loss of policy_loss_kind `kind`: the one place a kind is chosen (ppo_core.update.policy_objective calls what
-    this returns on the reference path; ppo_core.precision.loss_paths names it in the run's first lines).
+    this returns on the reference path; ppo_core.run.precision.loss_paths names it in the run's first lines).
 
     Each takes (logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip=, weights=, agg=, num_tokens=,
     num_seqs=) and returns (loss: 0-dim, stats: dict of detached 0-dim tensors). A new loss: its function below, its

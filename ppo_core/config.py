@@ -58,7 +58,7 @@ class PPOConfig:
     """Reward-model checkpoint (*ForSequenceClassification, e.g. Skywork-Reward-V2) scoring prompt + response at its last token. Empty = reward_fn or the task's reward."""
     reward_url: list[str] = field(default_factory=list)
     """Reward servers to score with instead (a TOML list, or comma-separated): 'http://host:port' of a ppo-serve-reward
-    or any server of OpenRLHF's remote reward protocol; a batch is split across them (ppo_core.remote_reward). A server
+    or any server of OpenRLHF's remote reward protocol; a batch is split across them (ppo_core.rewards.remote). A server
     still down after the retries makes ppo-train save a checkpoint and stop with exit status 3. Empty = in-process."""
     reward_timeout_s: float = 60.0
     """Seconds one request to a reward server may take, connecting to the answer's last byte, before a retry."""
@@ -66,7 +66,7 @@ class PPOConfig:
     """Further tries of a reward request that got no answer, each after a doubling wait (1 s, 2 s, 4 s, ...)."""
     judge: str = ""
     """Generative judge checkpoint (a *ForCausalLM that writes a rationale, then a verdict: CE-RM, GRAM, RM-R1, or
-    ppo_core/demo/judge-demo) as the reward (ppo_core.judges). Empty = no judge."""
+    ppo_core/demo/judge-demo) as the reward (ppo_core.rewards.judges). Empty = no judge."""
     judge_mode: str = "pointwise"
     """'pointwise' (the judge scores each response) or 'pairwise' (it compares the response with a reference response,
     in both orders; the reward is its mean preference for the policy's response). With reward_url, 'pairwise' says
@@ -95,7 +95,7 @@ class PPOConfig:
     """Reasoning switch passed to every chat-template rendering (Qwen3's enable_thinking); fixed once, so rollout, reference, critic and reward model see one rendering."""
     prompts_file: str = ""
     """Training prompt rows: .jsonl / .json (objects with a "prompt" string or a chat "messages" list), .parquet, or
-    text with one prompt per line; every other column reaches the reward functions (ppo_core.prompts). Empty = the
+    text with one prompt per line; every other column reaches the reward functions (ppo_core.data.prompts). Empty = the
     task's prompt stream."""
     eval_prompts_file: str = ""
     """Held-out prompts for evaluation, same format. Empty = the task's held-out set, or the last eval_size prompts of prompts_file (at most half)."""
@@ -115,14 +115,14 @@ class PPOConfig:
     """Longest response; a response that has not produced EOS by then is cut. With an environment: an episode's
     budget of tokens after its prompt, the policy's turns and the observations together."""
     environment: str = ""
-    """Multi-turn episodes (ppo_core.environments) instead of one response per prompt: 'tools' for the shipped
+    """Multi-turn episodes (ppo_core.agents.environments) instead of one response per prompt: 'tools' for the shipped
     ToolEnvironment (the policy calls `tools` until it answers; the answer scored against the row's 'answer'
     column), or 'file.py:Class' / 'module:Class' for your own class with reset(row) and step(text) (one instance per
     episode, built with no arguments). The episodes' rewards are the scores: no reward_fn, reward_model, judge or
     reward_url with it. Needs rollout_engine='paged' and a chat template in the policy's tokenizer."""
     tools: str = "calculator,python"
     """With environment='tools': the tools offered, comma-separated: 'calculator', 'python' (code run in the sandbox,
-    ppo_core.sandbox)."""
+    ppo_core.agents.sandbox)."""
     max_tool_calls_per_turn: int = 8
     """With environment='tools': the tool calls run in one turn at most; the rest are not run, answered with one line
     saying so and counted (env/calls_not_run). Bounds what one turn can cost (a Python call runs up to its timeout)."""
@@ -167,7 +167,7 @@ class PPOConfig:
     with micro_batch_tokens = 0."""
     micro_batch_tokens: int = 0
     """> 0: every pass over the experience (old and reference log-probs, values, a reward model's scores, the update)
-    runs on packed micro-batches of at most this many real tokens (prompt + response, no padding; ppo_core.packing),
+    runs on packed micro-batches of at most this many real tokens (prompt + response, no padding; ppo_core.data.packing),
     and each minibatch's sequences are split across processes by token count; a longer sequence gets a micro-batch of
     its own. The update is the padded one up to the order of floating-point sums. It sets the activation memory:
     choose the most tokens one forward/backward fits (ppo-plan). 0 = padded micro-batches of micro_batch_size."""
@@ -255,7 +255,7 @@ class PPOConfig:
     eval_reward_fn: str = ""
     """A reward function 'module:function' (or 'file.py:function') that scores the held-out evaluations instead of
     the training reward: a ground-truth check while training on a judge or a reward model (the reverse task's:
-    ppo_core.tasks:reverse_rewards). Empty = the training reward."""
+    ppo_core.data.tasks:reverse_rewards). Empty = the training reward."""
     report_to: str = ""
     """Experiment trackers besides metrics.jsonl, comma-separated: 'tensorboard' (RUN_DIR/tensorboard) and/or 'wandb'
     (project ppo-core; WANDB_MODE=offline keeps the run in RUN_DIR/wandb); each needs its extra, pip install -e
@@ -294,7 +294,7 @@ class PPOConfig:
     one token at a time, packed or bf16 weights) differs from the training forward's, so the first minibatch's ratio
     is no longer exactly 1 (reported as policy/first_ratio_max_dev). False = recompute them exactly."""
     rollout_ranks: int = 0
-    """Under torchrun: how many processes are rollout workers (ppo_core.rollout_worker: the last ones), sampling and
+    """Under torchrun: how many processes are rollout workers (ppo_core.run.rollout_worker: the last ones), sampling and
     scoring while the others train (DDP or FSDP among themselves); 0 = every process does both in turn. The workers
     split a rollout's rows as data-parallel processes do (LoRA: the adapters travel with the weights; a pairwise judge:
     each worker holds the frozen reference too). With max_staleness=1 the roles overlap."""
@@ -334,7 +334,7 @@ class PPOConfig:
     rollout starts. A call allocates only what its sequences can hold at once and frees it when it returns."""
     cuda_graph: bool = True
     """Decode through CUDA graphs on CUDA devices (one launch per token): rollout_engine='padded' captures its static
-    decode step; 'paged' replays its decode-only steps, one graph per batch bucket (ppo_core.static_decode; not for an
+    decode step; 'paged' replays its decode-only steps, one graph per batch bucket (ppo_core.engine.static_decode; not for an
     FSDP-sharded policy). Ignored on the CPU."""
     parallel: str = "ddp"
     """With more than one process (torchrun): 'ddp' replicates policy and critic (DistributedDataParallel);
@@ -492,7 +492,7 @@ def build_config(toml_values: dict | None = None, overrides: dict | None = None,
     if "eval_reward_fn" in values:
         values["eval_reward_fn"] = _expand_spec(values["eval_reward_fn"])
     if values.get("task") == "toolmul" and not values.get("environment"):
-        values["environment"] = "tools"  # the task is played with the calculator (ppo_core.tasks)
+        values["environment"] = "tools"  # the task is played with the calculator (ppo_core.data.tasks)
     cfg = PPOConfig(**values)
     problems += _problems(cfg)
     if problems:

@@ -9,12 +9,12 @@ them (old and reference log-probs, entropy, values). The loop (ppo_core.train) t
   forward:   response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs, response_values;
              the update (ppo_core.update) runs the same heads, so the first minibatch's ratio is 1 up to the order of
              a log-sum-exp. rollout_forward runs them over a Sampled batch in micro-batches -> Rollout (padded
-             ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens: ppo_core.packing)
+             ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens: ppo_core.data.packing)
   prompts:   render_prompt, prompt_token_ids, encode_prompts: the token ids the policy sees, left-padded
   sampling:  sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate), then sample_and_score (the reward source
              scores them) -> Sampled; with_reference_responses for a pairwise judge; play_episodes for multi-turn
-             episodes (cfg.environment, ppo_core.environments), scored by their environments; sampled_state /
-             sampled_from_state carry a Sampled through a checkpoint or to a trainer (ppo_core.rollout_worker)
+             episodes (cfg.environment, ppo_core.agents.environments), scored by their environments; sampled_state /
+             sampled_from_state carry a Sampled through a checkpoint or to a trainer (ppo_core.run.rollout_worker)
   iteration: iteration_rollout: rollout_batch_size prompts x n_samples_per_prompt, this process's rows of the
              global batch; with filter_groups, DAPO's group filter over batches gathered from every process
              (gather_sampled, select_sampled)
@@ -31,14 +31,15 @@ import torch
 
 import ppo_kernels
 
-from . import algo, lora
-from . import distributed as dist
+from . import algo
+from .models import lora
+from .run import distributed as dist
 from .config import rollout_rows
 from .engine import RolloutEngine
-from .environments import make_environment, render, run_episodes
-from .generate import generate
-from .packing import pack_rows, token_budget_micro_batches, unpack_rows
-from .prompts import columns_of, prompt_text
+from .agents.environments import make_environment, render, run_episodes
+from .engine.generate import generate
+from .data.packing import pack_rows, token_budget_micro_batches, unpack_rows
+from .data.prompts import columns_of, prompt_text
 
 IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
 
@@ -54,7 +55,7 @@ def response_head(policy, input_ids, attention_mask, prompt_len, head, packed=No
     """Run `policy` and hand head(hidden [B, R, H], lm_head_weight [V, H]) the hidden states at the positions
     that predict the response tokens; returns what `head` returns. The head runs inside the model's forward
     (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper.
-    packed (ppo_core.packing.Packed, these rows packed): the forward runs on the rows' real tokens only, and the head
+    packed (ppo_core.data.packing.Packed, these rows packed): the forward runs on the rows' real tokens only, and the head
     gets the same [B, R, H] layout, zeros where a row has no response token."""
     if packed is not None:
         return policy(packed.input_ids, None, packed=packed.args,
@@ -120,7 +121,7 @@ class Rollout:
     advantages: torch.Tensor = None  # [B, R]
     returns: torch.Tensor = None  # [B, R]
     sampled: "Sampled" = None  # what was sampled and scored: the rows, texts and reward components (for samples.jsonl)
-    host_mask: torch.Tensor = None  # [B, P+R] bool on the CPU: attention_mask, read by the packed passes (ppo_core.packing)
+    host_mask: torch.Tensor = None  # [B, P+R] bool on the CPU: attention_mask, read by the packed passes (ppo_core.data.packing)
     behav_logprobs: torch.Tensor = None  # [B, R]: the sampler's own log-probs (cfg.off_policy_correction), 0 off the loss
 
 
@@ -134,7 +135,7 @@ def render_prompt(tokenizer, prompt, cfg):
 
 
 def prompt_token_ids(tokenizer, prompt, cfg):
-    """The prompt's token ids as the policy sees them. prompt: a string or a row (ppo_core.prompts): a chat row's
+    """The prompt's token ids as the policy sees them. prompt: a string or a row (ppo_core.data.prompts): a chat row's
     "messages" and, with cfg.chat_template, a plain prompt as a user turn, are rendered with the chat template (which
     writes any BOS itself); a plain prompt otherwise gets what the tokenizer's post-processor adds (a BOS for
     Llama-family checkpoints), as transformers' tokenizer(text) does."""
@@ -232,7 +233,7 @@ def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id,
 class Sampled:
     """Responses sampled and scored, before any log-prob: B rows, prompts left-padded to P, responses right-padded."""
 
-    rows: list  # the prompt rows (ppo_core.prompts): "prompt" or "messages", and extra columns
+    rows: list  # the prompt rows (ppo_core.data.prompts): "prompt" or "messages", and extra columns
     prompts: list  # the raw prompt texts the reward function saw
     responses: list
     prompt_ids: torch.Tensor  # [B, P] int64
@@ -314,7 +315,7 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
 
 def scoring_micro_batches(host_mask, cfg):
     """The scoring passes' micro-batches -> (CPU index tensors of rows, how many of them are real): cfg.micro_batch_size
-    rows each, or with cfg.micro_batch_tokens rows packed to at most that many real tokens (ppo_core.packing). Every
+    rows each, or with cfg.micro_batch_tokens rows packed to at most that many real tokens (ppo_core.data.packing). Every
     process runs as many forwards as the busiest one (FSDP gathers weights in each; DDP broadcasts buffers): a
     process short of them runs row 0 again and keeps nothing."""
     B = host_mask.shape[0]
@@ -340,7 +341,7 @@ def episode_template_kwargs(cfg) -> dict:
 
 @torch.no_grad()
 def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows, greedy=False) -> Sampled:
-    """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.environments): one episode per row, played
+    """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.agents.environments): one episode per row, played
     on the rollout engine, scored by its environment's rewards. tokens [B, R]: everything after the prompt (the
     policy's turns and the observations), response_mask 1 on the policy's tokens only, `attended` on all of them.
     Metrics per row: env/turns, env/observation_tokens and, where the environment counts them (ToolEnvironment),
@@ -398,7 +399,7 @@ _SAMPLED_TENSORS = ("prompt_ids", "prompt_mask", "tokens", "response_mask", "end
 def sampled_state(sampled: Sampled, group, stats, lists=True) -> dict:
     """A sampled rollout not yet trained on (cfg.max_staleness) as plain JSON for the checkpoint: tensors as nested
     lists with their dtype (float32 values round-trip exactly through Python floats), texts and rows as they are.
-    lists=False: the tensors' values stay CPU tensors (the messages of ppo_core.rollout_worker; state_lists turns
+    lists=False: the tensors' values stay CPU tensors (the messages of ppo_core.run.rollout_worker; state_lists turns
     such a state into the JSON one)."""
     def tensor(t):
         return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."),
@@ -605,7 +606,7 @@ def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False,
     generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     scores = []
     for rows in micro_batches(len(prompts), 256):
-        batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.prompts)
+        batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.data.prompts)
         if cfg.environment:  # the episodes' rewards
             batch = [r if isinstance(r, dict) else {"prompt": r} for r in batch]
             scores.append(play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None, greedy).scores)

@@ -8,8 +8,8 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
   1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
                filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)       ppo_core.rollout
                (with an environment: multi-turn episodes; with max_staleness=1, the rollout sampled one update
-               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.rollout_worker)
-  2. score:    the reward function or model gives one scalar per response                   ppo_core.reward_source
+               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker)
+  2. score:    the reward function or model gives one scalar per response                   ppo_core.rewards.source
   3. forward:  old log-probs and entropy (policy), reference log-probs, values (critic, if any), all with the
                training code path, so the first minibatch's ratio is 1 up to the order of a log-sum-exp (measured
                as policy/first_ratio_max_dev: 0.0 for the CPU demo, ~1e-6 at large vocabularies, ~1e-3 on a GPU
@@ -41,21 +41,23 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, lora, plan
-from . import distributed as dist
-from . import rollout_worker, runlog, tracking
-from .rollout_worker import RolloutClient
+from . import algo
+from .run import checkpoint, plan
+from .models import lora
+from .run import distributed as dist
+from .run import rollout_worker, runlog, tracking
+from .run.rollout_worker import RolloutClient
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
-from .model import CheckpointError, load_model, load_score_model
-from .precision import loss_paths, precision_line, resolve_precision
-from .prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
-from .remote_reward import RewardUnavailable
-from .reward_source import make_reward_source
-from .rewards import RewardError
+from .models.model import CheckpointError, load_model, load_score_model
+from .run.precision import loss_paths, precision_line, resolve_precision
+from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
+from .rewards.remote import RewardUnavailable
+from .rewards.source import make_reward_source
+from .rewards.interface import RewardError
 from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, rollout_forward,
                       sample_rows, sampled_from_state, sampled_state, state_lists, with_reference_responses)
-from .tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
-from .tokenizer import UnknownTextError, load_tokenizer
+from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
+from .models.tokenizer import UnknownTextError, load_tokenizer
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
@@ -134,7 +136,7 @@ def run(cfg: PPOConfig, resume_from=None):
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
-                if workers is not None:  # 1-3 on the rollout worker (ppo_core.rollout_worker)
+                if workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
                     sampled, group, filter_stats = workers.rollout(it, state)
                     rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast)
                     ended = sampled.ended
@@ -185,7 +187,7 @@ def run(cfg: PPOConfig, resume_from=None):
 
 def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
     """A rollout worker's whole run (config rollout_ranks): the models and the stream it samples with, then
-    ppo_core.rollout_worker.serve until the trainer's last iteration. It writes nothing: the trainer owns the run."""
+    ppo_core.run.rollout_worker.serve until the trainer's last iteration. It writes nothing: the trainer owns the run."""
     tokenizer = load_tokenizer(policy_path)
     train_rows, held_out, stream = prompt_rows(cfg)
     policy = load_model(policy_path, dtype=precision.param_dtype, device=device).eval()
@@ -246,7 +248,7 @@ def check_batch(cfg: PPOConfig, train_rows, longest_prompt, policy_path, world, 
     """A batch the data or the memory cannot hold is refused before any work. From a prompts file, one rollout
     samples rollout_batch_size distinct rows: more than the file's training rows would repeat prompts within the batch
     (the way to sample a prompt more than once is n_samples_per_prompt, which groups the samples). Then the planner's
-    estimate of the rollout and update against the memory free now (ppo_core.plan.check_run_fits)."""
+    estimate of the rollout and update against the memory free now (ppo_core.run.plan.check_run_fits)."""
     if cfg.prompts_file and cfg.rollout_batch_size > len(train_rows):
         raise ConfigError(f"config key 'rollout_batch_size': {cfg.rollout_batch_size} prompts per iteration, but "
                           f"{cfg.prompts_file} holds {len(train_rows)} training rows (held-out rows apart); lower "
@@ -301,7 +303,7 @@ def check_chat_template(cfg: PPOConfig, tokenizer, policy_path):
 
 def make_reward_sources(cfg: PPOConfig, device, param_dtype):
     """(the training reward source, the source that scores the held-out evaluations): the evaluations' is the training
-    reward, or cfg.eval_reward_fn alone when it is set (ppo_core.reward_source)."""
+    reward, or cfg.eval_reward_fn alone when it is set (ppo_core.rewards.source)."""
     reward_source = make_reward_source(cfg, device, param_dtype)
     eval_source = reward_source
     if cfg.eval_reward_fn:
@@ -332,7 +334,7 @@ def spread_over_processes(policy, critic, reference, reward_source, cfg, device)
 
 def prompt_rows(cfg: PPOConfig):
     """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat "messages" and any
-    extra columns (ppo_core.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
+    extra columns (ppo_core.data.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
     eval_prompts_file is given), or the built-in task's seeded prompt stream and held-out set."""
     if not cfg.prompts_file and cfg.task == "toolmul":  # a task of rows: prompt and answer
         held_out = toolmul_rows(cfg.eval_size, cfg.seed)
@@ -404,7 +406,7 @@ def check_prompts(cfg: PPOConfig, train_rows, held_out, reward_source, eval_sour
 
 
 def open_run_dir(cfg: PPOConfig, policy_path, resume_from, precision):
-    """The run directory (ppo_core.runlog.RunDir), new or continued, its metrics and samples cut back to its latest
+    """The run directory (ppo_core.run.runlog.RunDir), new or continued, its metrics and samples cut back to its latest
     checkpoint; the log and the trackers open on it. -> (run_dir, latest checkpoint or None, log, tracker)."""
     run_dir = runlog.RunDir.open(cfg, policy_path, resume_from, precision.describe())
     ckpt, ckpt_notes = checkpoint.resume_checkpoint(run_dir.path)  # verified against its manifest, else an older one
@@ -516,7 +518,7 @@ class StopRequested(Exception):
 
 
 class RewardServerDown(Exception):
-    """A reward server stayed unreachable (ppo_core.remote_reward.RewardUnavailable); the run saved what it could and
+    """A reward server stayed unreachable (ppo_core.rewards.remote.RewardUnavailable); the run saved what it could and
     stops with exit status 3, to be continued with --resume once the server is back."""
 
 
@@ -550,7 +552,7 @@ class Checkpoints:
     """The run's checkpoints: saving one, resuming from one, and the early stops, which save one where there is
     something to save and raise what main() turns into the exit status the README documents.
 
-    A checkpoint (ppo_core.checkpoint) holds the policy and critic with their optimizers, the generators and every RNG,
+    A checkpoint (ppo_core.run.checkpoint) holds the policy and critic with their optimizers, the generators and every RNG,
     and `state`: the optimizer step count and skipped updates, the KL controller, the prompt stream's position, the
     evaluations before training, the last iteration's mean KL, the run's wall time so far and, when a reward server
     failed an iteration's evaluation, that iteration's metrics ("pending_metrics"), which a resume completes."""
@@ -581,7 +583,7 @@ class Checkpoints:
         return self.state["step"]
 
     def save(self, step):
-        """Write checkpoints/step-{step}: the models, optimizers, generators and RNGs, and `state` (ppo_core.checkpoint)."""
+        """Write checkpoints/step-{step}: the models, optimizers, generators and RNGs, and `state` (ppo_core.run.checkpoint)."""
         opts, state = self.opts, self.state
         return self.run_dir.save_checkpoint(step, sharded=self.sharded, policy=self.policy, critic=self.critic,
                                             tokenizer=self.tokenizer, policy_opt=opts.policy_opt,

@@ -9,7 +9,7 @@
   update:     ppo_update: shuffled minibatches of the global batch (stopped early past target_kl); minibatch_gradients
               runs each in micro-batches whose gradients add up to the minibatch's, summed across processes: padded
               ones of micro_batch_size rows (each process its own rows), or with micro_batch_tokens packed ones
-              (ppo_core.packing: each minibatch's rows split across processes by token count, then packed to the budget)
+              (ppo_core.data.packing: each minibatch's rows split across processes by token count, then packed to the budget)
   objectives: policy_objective: cfg.policy_loss_kind's loss (algo.policy_loss_function: PPO's clipped surrogate,
               CISPO, GSPO), weighted per token by an off-policy correction when one is on, + the KL loss term, - the
               entropy bonus, on the fused kernel or the torch reference; the critic's clipped value loss
@@ -26,9 +26,9 @@ import torch
 import ppo_kernels
 
 from . import algo
-from . import distributed as dist
+from .run import distributed as dist
 from .config import PPOConfig
-from .packing import balanced_split, pack_rows, token_budget_micro_batches
+from .data.packing import balanced_split, pack_rows, token_budget_micro_batches
 from .rollout import Rollout, micro_batches, response_head, response_labels, response_values
 
 
@@ -89,7 +89,7 @@ def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg
     loss and its gradients from the hidden states and the LM head tile by tile, never the [B*R, V] logits. Any other
     kind (GSPO, whose ratio spans a whole sequence) runs on ppo_kernels.linear_token_logprobs' fused log-probs and
     entropy, with their own backward, then its algo function; without fused_kernels: full logits, log_softmax + gather
-    and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed (ppo_core.packing); the heads
+    and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed (ppo_core.data.packing); the heads
     see what they see padded.
 
     behav_logp [B, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path hands the loss the
@@ -169,7 +169,7 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
     only queues device work; then `_read_step_stats` copies the step's statistics to the host in one read,
     and `step_fn` (Optimizers.step) reads the gradient norms (are they finite?). Shuffling and row selection are
     host work on CPU tensors, no device read. (The model's forward reads whether the attention mask has
-    padding: ppo_core.model.) tests/test_fake_cuda.py runs this on fake CUDA tensors and checks where reads are."""
+    padding: ppo_core.models.model.) tests/test_fake_cuda.py runs this on fake CUDA tensors and checks where reads are."""
     policy.train()
     if critic is not None:
         critic.train()
@@ -253,7 +253,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
                         train_policy=True):
     """Forward and backward of policy and critic over this process's rows of one minibatch, in n_micro micro-batches:
     chunks, CPU index tensors of rows (a process with fewer than n_micro runs row 0 with no token in the loss:
-    gradient 0), each padded to the rollout's width or, with cfg.micro_batch_tokens, packed (ppo_core.packing);
+    gradient 0), each padded to the rollout's width or, with cfg.micro_batch_tokens, packed (ppo_core.data.packing);
     gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
     (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
 

@@ -7,7 +7,7 @@
 Each row is {"prompt": "What is 59 + 63? Reply with just the number.", "answer": "122"}, both operands drawn
 uniformly from 10..99. The file holds --n training rows, then --eval_size held-out rows last (ppo-train's default
 split holds out the last eval_size rows), and no held-out (a, b) pair appears among the training rows. The reward is
-ppo_core.verifiers:last_number_reward: the last number in the response equals the answer. SmolLM2-135M-Instruct
+ppo_core.rewards.verifiers:last_number_reward: the last number in the response equals the answer. SmolLM2-135M-Instruct
 starts at about 30% greedy, below 10% sampled at T=0.8, on the held-out rows: room to learn, not zero.
 Deterministic for a given --seed.
 """

@@ -12,7 +12,7 @@
    quarter of them) comes out right either way. The policy learns the format, both procedures and
    which one to pick at the first column where they differ, so it starts well below perfect and PPO has
    a single, learnable thing to fix: always carry.
-3. Measures exact-match accuracy (ppo_core.tasks.arith_rewards) on the 256 held-out prompts that
+3. Measures exact-match accuracy (ppo_core.data.tasks.arith_rewards) on the 256 held-out prompts that
    `ppo-train --task arith` evaluates (tasks.eval_prompts(256, seed=0, task="arith")), greedy and
    sampled at T=1 with ppo_core.generate, and writes the Hugging Face layout: config.json,
    model.safetensors, tokenizer.json, tokenizer_config.json. Deterministic for a given seed on a given machine.
@@ -31,9 +31,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppo_core.generate import generate  # noqa: E402
-from ppo_core.tasks import arith_answer, arith_rewards, eval_prompts, random_arith_prompt  # noqa: E402
-from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from ppo_core.engine.generate import generate  # noqa: E402
+from ppo_core.data.tasks import arith_answer, arith_rewards, eval_prompts, random_arith_prompt  # noqa: E402
+from ppo_core.models.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
 from sft import character_tokenizer, right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, EOS = "<pad>", "<eos>"

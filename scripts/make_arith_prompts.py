@@ -1,13 +1,13 @@
 """Write the 'arith' task as a prompts file with an "answer" column, in the layout RLVR data sets use.
 
     python scripts/make_arith_prompts.py --out arith.parquet           # or arith.jsonl / arith.json
-    ppo-train --task=arith --prompts_file=arith.parquet --reward_fn=ppo_core.tasks:arith_answer_reward
+    ppo-train --task=arith --prompts_file=arith.parquet --reward_fn=ppo_core.data.tasks:arith_answer_reward
 
 Each row is {"prompt": "347+85=", "answer": "432"}: the answer is a string, as GSM8K's ground truths are. The
 file holds --n training prompts drawn from the task's seeded stream, then the task's held-out prompts
 (tasks.eval_prompts(--eval_size, seed=--seed, task="arith")) last, so that ppo-train's default split (the last
 eval_size rows of a prompts file are held out) evaluates exactly the prompts a `--task=arith` run evaluates,
-and no training prompt is a held-out one. The format is the file's extension (ppo_core.prompts.load_rows reads
+and no training prompt is a held-out one. The format is the file's extension (ppo_core.data.prompts.load_rows reads
 it back); Parquet needs pyarrow (`pip install -e '.[parquet]'`).
 """
 import argparse
@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ppo_core.tasks import PromptStream, arith_answer, eval_prompts  # noqa: E402
+from ppo_core.data.tasks import PromptStream, arith_answer, eval_prompts  # noqa: E402
 
 
 def arith_rows(n: int, eval_size: int, seed: int) -> list[dict]:

@@ -7,7 +7,7 @@
 2. Trains a 4-layer Llama-family model (tied embeddings, GQA) by supervised fine-tuning on a *sloppy*
    demonstrator: for each word it reverses it with probability 0.4, else copies it, and misspells
    each character with probability 0.1. The resulting policy knows the format and both behaviours,
-   starts near reward 0.4 and leaves PPO real headroom (see ppo_core/tasks.py).
+   starts near reward 0.4 and leaves PPO real headroom (see ppo_core/data/tasks.py).
 3. Writes the Hugging Face layout: config.json, model.safetensors, tokenizer.json,
    tokenizer_config.json. Deterministic for a given seed on a given machine.
 """
@@ -19,8 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppo_core.tasks import ALPHABET, SEPARATOR, eval_prompts, random_word  # noqa: E402
-from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from ppo_core.data.tasks import ALPHABET, SEPARATOR, eval_prompts, random_word  # noqa: E402
+from ppo_core.models.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
 from sft import character_tokenizer, right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, EOS = "<pad>", "<eos>"

@@ -4,8 +4,8 @@
     python scripts/make_judge_checkpoint.py --out /tmp/judge --steps 300
     python scripts/make_judge_checkpoint.py --eval_only        # measure the shipped judge again
 
-A judge reads a prompt and response(s) of the *reverse* task (ppo_core/tasks.py: "kitten=" -> "nettik") and writes a
-short rationale, then a verdict, as GRAM, RM-R1 and CE-RM do with billions of parameters (ppo_core/judges.py reads it):
+A judge reads a prompt and response(s) of the *reverse* task (ppo_core/data/tasks.py: "kitten=" -> "nettik") and writes a
+short rationale, then a verdict, as GRAM, RM-R1 and CE-RM do with billions of parameters (ppo_core/rewards/judges.py reads it):
 
     pointwise   "rate kitten=nettak|"               -> "nn1 ee2 tt3 tt4 ia4 kk5 Score: 5/6"
     pairwise    "pick kitten=A:nettak B:kitten|"    -> "nnk10 eei20 ttt31 ttt42 iae42 kkn52 A=5/6 B=2/6 [[A]]"
@@ -17,7 +17,7 @@ learn to compare characters far apart in its context, nor to count a row of mark
 reversal followed by a row of +/- marks, reached a score correlation of 0.07). The score is the count over the
 number of positions: exactly the task's reward k/n. A pairwise group holds the right character, A's, B's and the two
 running counts, so that the verdict, for the response with the larger k/n, is read from the last few characters;
-equal rewards get [[A]], so the two orders that ppo_core.judges.JudgeReward judges give a tie 0.5.
+equal rewards get [[A]], so the two orders that ppo_core.rewards.judges.JudgeReward judges give a tie 0.5.
 
 1. Builds a character-level tokenizer with the `tokenizers` library (letters, digits, the marks, "<unk>").
 2. Trains a Llama-family model (tied embeddings, GQA) by supervised fine-tuning on judgements of responses drawn like
@@ -26,7 +26,7 @@ equal rewards get [[A]], so the two orders that ppo_core.judges.JudgeReward judg
    are pointwise, half pairwise. The task's 256 held-out prompts (tasks.eval_prompts(256, seed=0)) are never used.
 3. Writes the Hugging Face layout (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) and the
    judge's own prompt templates pointwise.jinja and pairwise.jinja, which JudgeReward picks up by default.
-4. Measures the judge through ppo_core.judges.JudgeReward on the held-out prompts, with responses sampled at T=1 from
+4. Measures the judge through ppo_core.rewards.judges.JudgeReward on the held-out prompts, with responses sampled at T=1 from
    the shipped reverse-demo policy (what PPO starts from) and from the demonstrator: pointwise, the correlation and
    mean absolute error of the score against tasks.reverse_rewards and the parse rate; pairwise, the accuracy of each
    verdict on pairs whose true rewards differ, the both-orders reward's agreement, and the parse rate.
@@ -51,8 +51,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppo_core.tasks import ALPHABET, SEPARATOR, eval_prompts, random_word, reverse_reward  # noqa: E402
-from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from ppo_core.data.tasks import ALPHABET, SEPARATOR, eval_prompts, random_word, reverse_reward  # noqa: E402
+from ppo_core.models.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
 from sft import character_tokenizer, right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -129,7 +129,7 @@ def pairwise_judgement(prompt: str, response_a: str, response_b: str) -> str:
 
 
 def render(template: str, **variables) -> str:
-    from ppo_core.judges import render_judge_prompt
+    from ppo_core.rewards.judges import render_judge_prompt
 
     return render_judge_prompt(template, **variables)
 
@@ -161,9 +161,9 @@ def pearson(xs, ys) -> float:
 @torch.no_grad()
 def policy_samples(prompts, seed=0) -> list[str]:
     """One response per prompt from the shipped reverse-demo policy at T=1 (ppo-train's rollout)."""
-    from ppo_core.generate import generate
-    from ppo_core.model import load_model
-    from ppo_core.tokenizer import load_tokenizer
+    from ppo_core.engine.generate import generate
+    from ppo_core.models.model import load_model
+    from ppo_core.models.tokenizer import load_tokenizer
 
     path = os.path.join(os.path.dirname(__file__), "..", "ppo_core", "demo", "reverse-demo")
     model, tok = load_model(path).eval(), load_tokenizer(path)
@@ -178,7 +178,7 @@ def policy_samples(prompts, seed=0) -> list[str]:
 
 def measure(path, n_prompts=256, seed=0) -> dict:
     """The judge's agreement with the true reward on held-out prompts (see the module docstring, step 4)."""
-    from ppo_core.judges import JudgeReward
+    from ppo_core.rewards.judges import JudgeReward
 
     prompts = eval_prompts(n_prompts, seed=0)
     rng = random.Random(f"judge-eval-{seed}")

@@ -6,10 +6,10 @@
 
 1. Builds a character-level tokenizer with the `tokenizers` library: printable ASCII and the newline (every character
    of the calculator's answers and error messages, short of a non-ASCII one the model spells as a JSON \\u escape:
-   that is ppo_core.tokenizer's UnknownTextError), the special tokens <|endoftext|> (pad), <|im_start|> and <|im_end|>
+   that is ppo_core.models.tokenizer's UnknownTextError), the special tokens <|endoftext|> (pad), <|im_start|> and <|im_end|>
    (EOS: the end of every turn), and, as Qwen3's tokenizer has them, <tool_call> and </tool_call> as single
    (non-special) tokens. Its chat template renders every message verbatim, so a conversation grows by appending only
-   (what ppo_core.environments needs to play it turn by turn):
+   (what ppo_core.agents.environments needs to play it turn by turn):
 
        <|im_start|>user\\n123*456<|im_end|>\\n<|im_start|>assistant\\n                    (the generation prompt)
        <tool_call>{"name":"calculator","arguments":{"expression":"123*456"}}</tool_call><|im_end|>\\n
@@ -19,7 +19,7 @@
 2. Trains a small Llama-family model (tied embeddings, GQA) by supervised fine-tuning, the loss on the assistant's
    tokens only (each turn's closing <|im_end|> included), on conversations of a demonstrator that calls the tool with
    probability P_TOOL, prompt-independent: its first turn is the calculator call above (compact JSON, the prompt's
-   expression copied), the tool message carries ppo_core.tools.Calculator's answer, and its second turn copies it.
+   expression copied), the tool message carries ppo_core.agents.tools.Calculator's answer, and its second turn copies it.
    Otherwise it answers at once with the rounded product, each operand rounded to the nearest hundred
    (123*456 -> 100*500 = 50000): plausible, and wrong unless both operands are multiples of 100. The model learns the
    JSON, to copy three digits of the prompt into it and five or six digits of the tool's answer out of it, and the
@@ -27,7 +27,7 @@
    always calls the tool reaches ~1.0. Greedy decoding takes the most likely first token: the rounded product's first
    digit (~1 - P_TOOL) over <tool_call> (~P_TOOL), so greedy never calls the tool until RL raises P(<tool_call>)
    past one half.
-3. Measures, with the rollout engine (ppo_core.engine.RolloutEngine), ppo_core.environments.run_episodes and
+3. Measures, with the rollout engine (ppo_core.engine.RolloutEngine), ppo_core.agents.environments.run_episodes and
    ToolEnvironment({"calculator": Calculator()}, max_turns=3), on the 256 held-out rows tasks.toolmul_rows(256, seed=0)
    (the SFT never sees the first 1024 rows of that set): exact match greedy and sampled at T=1, and the fraction of
    episodes that call the tool, with max_new_tokens=96 per episode and max_turn_tokens=64 per turn (a call is 61
@@ -57,10 +57,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppo_core.engine import RolloutEngine  # noqa: E402
-from ppo_core.environments import ToolEnvironment, run_episodes  # noqa: E402
-from ppo_core.tasks import ToolmulStream, toolmul_rows  # noqa: E402
-from ppo_core.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
-from ppo_core.tools import TOOL_CALL_END, TOOL_CALL_START, Calculator  # noqa: E402
+from ppo_core.agents.environments import ToolEnvironment, run_episodes  # noqa: E402
+from ppo_core.data.tasks import ToolmulStream, toolmul_rows  # noqa: E402
+from ppo_core.models.tokenizer import Tokenizer as PPOTokenizer  # noqa: E402
+from ppo_core.agents.tools import TOOL_CALL_END, TOOL_CALL_START, Calculator  # noqa: E402
 from sft import right_pad, tiny_llama, train  # noqa: E402  (scripts/sft.py: model, SFT loop)
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -80,7 +80,7 @@ CALCULATOR = Calculator()
 def build_tokenizer() -> PPOTokenizer:
     """One token a character (CHARACTERS), the three special tokens, and the two tool-call tags as single tokens."""
     vocab = {token: i for i, token in enumerate([PAD, IM_START, IM_END, *CHARACTERS, TOOL_CALL_START, TOOL_CALL_END])}
-    # "<unk>" is in no vocabulary: a character outside CHARACTERS is ppo_core.tokenizer's UnknownTextError, not a token
+    # "<unk>" is in no vocabulary: a character outside CHARACTERS is ppo_core.models.tokenizer's UnknownTextError, not a token
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # a token a character, "\n" too
     tok.decoder = decoders.Fuse()  # decode by concatenation

@@ -27,7 +27,7 @@ PPO_MODAL_SECRET: the server in each container reads it from its environment and
 and ppo-train (scripts/modal_train.py, with the same Secret, or your shell's environment) sends it. Without one, the
 server's log says so on every start. A Modal proxy auth token (PPO_MODAL_REWARD_PROXY_AUTH) can stand in front of it.
 
-Every container runs `python -m ppo_core.reward_server --host 0.0.0.0 --port 8000 <PPO_MODAL_REWARD_ARGS>`: the
+Every container runs `python -m ppo_core.rewards.server --host 0.0.0.0 --port 8000 <PPO_MODAL_REWARD_ARGS>`: the
 options are ppo-serve-reward's, the same keys as ppo-train's reward options (--reward_model, --reward_fn, --task,
 --judge, ...), with paths inside the container (the Volume at /vol, read-only; this repository's configs/ at
 /root/src/configs). A server that rejects its arguments stops the container at once with its one-line error in
@@ -119,7 +119,7 @@ def reward_args(text: str) -> list[str]:
 def server_command(args, port=PORT) -> list[str]:
     """The reward server's command line in a container: the normal entry point, listening on every interface
     (Modal connects to the container's external address, not to 127.0.0.1)."""
-    return ["python", "-m", "ppo_core.reward_server", "--host", "0.0.0.0", "--port", str(port), *args]
+    return ["python", "-m", "ppo_core.rewards.server", "--host", "0.0.0.0", "--port", str(port), *args]
 
 
 def start_server(argv, port, timeout_s) -> subprocess.Popen:

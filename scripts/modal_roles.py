@@ -10,9 +10,9 @@
     modal volume get ppo-core runs/<run> ./<run>                     # the run directory back
 
 The trainers (DDP, or FSDP with --parallel=fsdp) and the workers may be any number each, as long as a rollout's rows
-split evenly over both (ppo_core.rollout_worker).
+split evenly over both (ppo_core.run.rollout_worker).
 
-One torch.distributed job spans the two containers, as ppo_core.rollout_worker expects it under torchrun: the
+One torch.distributed job spans the two containers, as ppo_core.run.rollout_worker expects it under torchrun: the
 trainer container runs ranks 0..T-1 (T = its GPU count), the rollout workers' container ranks T..T+W-1 (W = its GPU
 count), WORLD_SIZE = T+W, MASTER_ADDR = the trainer container's private address, and `--rollout_ranks=W` is added to
 the arguments (a caller's own, different --rollout_ranks is refused: the GPU specs decide it; it also overrides a
@@ -25,7 +25,7 @@ rendezvous up to torch.distributed's default timeout (30 minutes for ppo_core's 
 of the workers' type for that long, the attempt fails and Modal retries it.
 
 Why torch.distributed over i6pn between two Functions, and not a Modal Queue + Volume transport: the trainer and the
-workers already talk over torch.distributed (ppo_core/rollout_worker.py): the weights after each update as sends from
+workers already talk over torch.distributed (ppo_core/run/rollout_worker.py): the weights after each update as sends from
 GPU memory (NCCL), the rollouts as small gloo messages, in an order that cannot deadlock and that keeps a worker run
 equal to the one-process run. Spanning two containers changes none of that: this file only decides which container
 runs which ranks. i6pn (`i6pn=True`, https://modal.com/docs/guide/private-networking) connects the containers

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ppo_core.model import CausalLM, ModelArgs  # noqa: E402
+from ppo_core.models.model import CausalLM, ModelArgs  # noqa: E402
 
 WARMUP_STEPS = 100
 """The learning rate rises linearly over this many steps, then follows a cosine to 0 at the last step."""

@@ -1,4 +1,4 @@
-"""Attention of padded GQA batches (ppo_core/model.py: `attention` and Backbone's roll of padded rows): every SDPA
+"""Attention of padded GQA batches (ppo_core/models/model.py: `attention` and Backbone's roll of padded rows): every SDPA
 call is shaped for a fused CUDA kernel, and the results are those of plain masked attention.
 
     python -m pytest -q tests/test_attention.py
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ppo_core.model as model_module
-from ppo_core.model import CausalLM, KVCache, ModelArgs, record_attention_paths
+import ppo_core.models.model as model_module
+from ppo_core.models.model import CausalLM, KVCache, ModelArgs, record_attention_paths
 
 BASE = dict(vocab_size=131, hidden_size=60, intermediate_size=86, num_hidden_layers=4, num_attention_heads=6,
             num_key_value_heads=3, max_position_embeddings=128)

@@ -8,7 +8,7 @@ import torch
 
 import ppo_core.train as train
 from ppo_core.config import build_config, to_dict
-from ppo_core.runlog import RunDir, RunDirError
+from ppo_core.run.runlog import RunDir, RunDirError
 from ppo_core.train import DEMO_CHECKPOINT
 
 SMALL = ["--iterations=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=16",
@@ -81,8 +81,8 @@ def test_reward_function_with_a_wrong_answer(tmp_path, capsys, body, message):
 
 
 def test_unknown_reward_function(tmp_path, capsys):
-    err = fail(["--reward_fn=ppo_core.tasks:nope", f"--out={tmp_path / 'r'}", *SMALL], capsys)
-    assert "cannot load reward_fn 'ppo_core.tasks:nope'" in err
+    err = fail(["--reward_fn=ppo_core.data.tasks:nope", f"--out={tmp_path / 'r'}", *SMALL], capsys)
+    assert "cannot load reward_fn 'ppo_core.data.tasks:nope'" in err
 
 
 def test_conflicting_settings(tmp_path, capsys):
@@ -125,8 +125,8 @@ def test_policy_directory_that_does_not_exist(tmp_path, capsys):
 def test_loaders_expand_the_home_directory_and_name_a_missing_one(demo_copy, tmp_path, monkeypatch):
     """Direct API callers get what the CLI gets: `~` expanded, and "no such directory" for a path that is not there
     (rather than the first file the loader looks for)."""
-    from ppo_core.model import CheckpointError, load_model, load_reward_model, load_score_model, read_config
-    from ppo_core.tokenizer import load_tokenizer
+    from ppo_core.models.model import CheckpointError, load_model, load_reward_model, load_score_model, read_config
+    from ppo_core.models.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HOME", str(tmp_path))  # demo_copy is tmp_path/ckpt, so "~/ckpt" names it
     assert load_tokenizer("~/ckpt").encode("abc=") == load_tokenizer(str(demo_copy)).encode("abc=")

@@ -24,7 +24,7 @@ import ppo_kernels
 import ppo_kernels.loss as loss_module
 from ppo_core import algo
 from ppo_core.config import ConfigError, build_config
-from ppo_core.precision import loss_paths
+from ppo_core.run.precision import loss_paths
 from ppo_core.train import DEMO_CHECKPOINT, main
 from ppo_kernels.loss import (
     linear_policy_loss_torch, linear_policy_loss_triton, policy_loss_reference, policy_loss_torch, policy_loss_triton,
@@ -312,10 +312,10 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     """policy_objective with policy_loss_kind=cispo: the fused kernel (called with loss_kind='cispo') and the plain
     path (full logits + algo.cispo_policy_loss) give the same loss and gradients, with the KL loss term, the entropy
     bonus and an off-policy correction's weights; the loss-path line names each."""
-    from ppo_core.model import load_model
+    from ppo_core.models.model import load_model
     from ppo_core.rollout import response_logprobs, sample_responses
-    from ppo_core.tasks import eval_prompts
-    from ppo_core.tokenizer import load_tokenizer
+    from ppo_core.data.tasks import eval_prompts
+    from ppo_core.models.tokenizer import load_tokenizer
     from ppo_core.update import policy_objective
 
     calls = []

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import background
-from ppo_core.tasks import eval_prompts
+from ppo_core.data.tasks import eval_prompts
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -120,7 +120,7 @@ def test_a_column_that_would_hide_a_samples_field_is_one_line_before_the_run(tmp
 
 
 EXACT_MATCH = '''
-from ppo_core.verifiers import extract_gsm8k, numbers_equal
+from ppo_core.rewards.verifiers import extract_gsm8k, numbers_equal
 
 def exact_match(prompts, responses, answer):
     return [float(numbers_equal(extract_gsm8k(r), a)) for r, a in zip(responses, answer)]

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from ppo_core import model as ppo_model
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.models import model as ppo_model
+from ppo_core.models.tokenizer import load_tokenizer
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
@@ -52,7 +52,7 @@ def test_specials_have_probability_exactly_zero(autocast):
 def test_tokenizer_round_trip_in_both_libraries(tmp_path):
     """The bench tokenizer: "t{i}" is id i; a decoded response starts with a space, so ppo-core's reward model,
     which re-encodes prompt + response as one text, gets exactly the prompt's ids followed by the response's; and
-    transformers reads the same ids from the same files as ppo_core.tokenizer."""
+    transformers reads the same ids from the same files as ppo_core.models.tokenizer."""
     e2e.write_tokenizer(str(tmp_path), vocab_size=64)
     tok = load_tokenizer(str(tmp_path))
     assert (tok.eos_token_id, tok.pad_token_id) == (e2e.EOS_ID, e2e.PAD_ID)

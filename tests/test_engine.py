@@ -1,12 +1,12 @@
-"""The rollout engine: ppo_core/kv_blocks.py (block accounting), ppo_core/scheduler.py (continuous batching,
-preemption, prefix sharing, copy-on-write) and ppo_core/engine.py (paged attention, sampling), runs everywhere.
+"""The rollout engine: ppo_core/engine/kv_blocks.py (block accounting), ppo_core/engine/scheduler.py (continuous batching,
+preemption, prefix sharing, copy-on-write) and ppo_core/engine/rollout_engine.py (paged attention, sampling), runs everywhere.
 
     python -m pytest -q tests/test_engine.py
 
 The scheduler is checked on hand-worked block numbers; the engine against ppo_core.generate (the padded reference)
 at the same sampling noise on every family, and against itself under every scheduling choice (block size, pool size
 forcing preemption, prefill chunks, batch limits, rows split as over processes): the tokens must not change.
-The decode-only steps on ppo_core.static_decode's fixed-shape buffers (what a CUDA graph captures) against the
+The decode-only steps on ppo_core.engine.static_decode's fixed-shape buffers (what a CUDA graph captures) against the
 dynamic steps on the CPU, through the Triton kernel in its interpreter, and as replayed CUDA graphs (GPU only).
 """
 import os
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import ppo_core
-from ppo_core.engine import RolloutEngine, row_bucket, shared_prefix_groups
-from ppo_core.generate import counter_uniforms
-from ppo_core.kv_blocks import BlockPool, prefix_key
-from ppo_core.scheduler import Chunk, Scheduler, Sequence, Step
-from ppo_core.static_decode import StaticDecode, decode_bucket, decode_only
+from ppo_core.engine.rollout_engine import RolloutEngine, row_bucket, shared_prefix_groups
+from ppo_core.engine.generate import counter_uniforms
+from ppo_core.engine.kv_blocks import BlockPool, prefix_key
+from ppo_core.engine.scheduler import Chunk, Scheduler, Sequence, Step
+from ppo_core.engine.static_decode import StaticDecode, decode_bucket, decode_only
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_generate import CONFIGS, tiny  # noqa: E402
@@ -357,7 +357,7 @@ def test_engine_holds_kv_for_the_tokens_it_keeps_and_little_more():
 
 
 def test_engine_decodes_a_lora_policy_with_its_adapters_and_without():
-    from ppo_core import lora
+    from ppo_core.models import lora
 
     model = tiny("qwen3")
     lora.add_lora(model, 4, generator=torch.Generator().manual_seed(0))
@@ -496,7 +496,7 @@ def test_multi_turn_parked_sequences_give_up_their_blocks_when_the_pool_runs_out
     assert engine.stats["preemptions"] > 0
 
 
-# -- decode-only steps on fixed-shape buffers (ppo_core.static_decode), and their CUDA graphs ---------------------
+# -- decode-only steps on fixed-shape buffers (ppo_core.engine.static_decode), and their CUDA graphs ---------------------
 
 BUDGETS = [3, 12, 7, 1, 9, 5, 12, 2, 8, 11, 4, 6]  # grouped_prompts' 12 sequences leave at different steps
 
@@ -566,7 +566,7 @@ def test_static_decode_steps_launch_the_triton_kernel_with_shapes_fixed_per_buck
     rows, so its grid (B, n_kv_heads, num_splits) and num_splits (default_num_splits of B, n_kv_heads, W and the
     SM count) are one per bucket, what a captured launch needs; the padding rows (length 1, table [spare block, -1,
     ...]) and the table columns past each row's length (stale or -1) are read as they must be."""
-    import ppo_core.static_decode as static_module
+    import ppo_core.engine.static_decode as static_module
 
     model = tiny(name)
     prompts, budgets = grouped_prompts()[:6], [2, 6, 4, 1, 6, 3]
@@ -593,7 +593,7 @@ def test_static_decode_steps_launch_the_triton_kernel_with_shapes_fixed_per_buck
 def cuda_graph_model(name):
     """tiny(name) on the GPU; "qwen3 lora": with LoRA adapters (frozen base weights: their autocast casts are not
     cached, so every replay recomputes them inside the graph)."""
-    from ppo_core import lora
+    from ppo_core.models import lora
 
     model = tiny(name.split()[0])
     if name.endswith("lora"):

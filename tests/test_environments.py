@@ -1,4 +1,4 @@
-"""Multi-turn episodes (ppo_core/environments.py) on the rollout engine: a scripted environment played by a tiny
+"""Multi-turn episodes (ppo_core/agents/environments.py) on the rollout engine: a scripted environment played by a tiny
 random policy over a real BPE tokenizer with a chat template. The conversation the sequence holds must be exactly the
 template's rendering of the messages (checked here against a rendering of the final conversation in one go), the
 observations masked 0, rewards summed, the turn and token limits kept; a template that rewrites history is refused."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ppo_core.engine import RolloutEngine
-from ppo_core.environments import IncrementalRenderError, run_episodes
-from ppo_core.model import CausalLM, ModelArgs
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.agents.environments import IncrementalRenderError, run_episodes
+from ppo_core.models.model import CausalLM, ModelArgs
+from ppo_core.models.tokenizer import load_tokenizer
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_generate import BASE  # noqa: E402
@@ -129,8 +129,8 @@ def test_a_template_that_rewrites_history_is_refused(tmp_path):
 def test_tool_environment_answers_calls_then_scores_the_answer():
     """The shipped ToolEnvironment with the real calculator: a call is answered with its result as a tool message, a
     malformed call with an error (counted), and a turn without a call is the answer, scored against the row."""
-    from ppo_core.environments import ToolEnvironment
-    from ppo_core.tools import Calculator
+    from ppo_core.agents.environments import ToolEnvironment
+    from ppo_core.agents.tools import Calculator
 
     env = ToolEnvironment({"calculator": Calculator()})
     assert env.reset({"prompt": "what is 123*456?", "answer": 56088}) == [{"role": "user", "content": "what is 123*456?"}]
@@ -176,7 +176,7 @@ def test_rollout_forward_attends_to_observations_and_scores_only_the_policy_toke
     """The scoring pass over episodes: the old log-probs of the policy's tokens are those of the model run over the
     whole sequence (observations included, as context), 0 on the observations; padded and packed alike."""
     from ppo_core.config import build_config
-    from ppo_core.model import load_model
+    from ppo_core.models.model import load_model
     from ppo_core.rollout import play_episodes, rollout_forward
 
     tokenizer = load_tokenizer(str(checkpoint / "ckpt"))
@@ -237,7 +237,7 @@ def test_qwen3_template_plays_tool_turns_incrementally_with_thinking_on(tmp_path
     tool's answer is appended as the template renders it (a <tool_response> in a user turn, then the generation prompt).
     With enable_thinking=False the generation prompt's empty <think></think> is dropped from the re-rendered history:
     refused, loudly."""
-    from ppo_core.environments import Episode, observation_ids, render
+    from ppo_core.agents.environments import Episode, observation_ids, render
     from test_tokenizer import QWEN3_SPECIAL, QWEN3_TEMPLATE
 
     tokenizer = load_tokenizer(write_tokenizer(tmp_path / "qwen3", QWEN3_SPECIAL, {
@@ -293,7 +293,7 @@ def test_a_chat_row_is_rendered_by_its_environment_like_any_row(checkpoint, tmp_
     """With an environment, a row's prompt is what the environment's reset renders, for a "messages" row too (the
     lengths the run checks and pads to are those of the prompts the episodes play)."""
     from ppo_core.config import build_config
-    from ppo_core.environments import render
+    from ppo_core.agents.environments import render
     from ppo_core.rollout import prompt_token_ids
 
     (tmp_path / "chat_env.py").write_text(

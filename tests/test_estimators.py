@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 
 import ppo_core.train as train
 from ppo_core.config import build_config
-from ppo_core.model import load_model
-from ppo_core.precision import loss_paths
-from ppo_core.reward_source import make_reward_source
+from ppo_core.models.model import load_model
+from ppo_core.run.precision import loss_paths
+from ppo_core.rewards.source import make_reward_source
 from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, response_logprobs, sample_responses
-from ppo_core.tasks import PromptStream, eval_prompts, reverse_reward
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.data.tasks import PromptStream, eval_prompts, reverse_reward
+from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.update import compute_advantages, lr_at, policy_objective
 
 from test_resume import DRIVER
@@ -260,7 +260,7 @@ def test_gspo_and_entropy_bonus_runs(tmp_path):
 # ---------------------------------------------------------------------------- dynamic sampling
 
 ODD_WORDS_SCORE_ZERO = '''
-from ppo_core.tasks import reverse_reward
+from ppo_core.data.tasks import reverse_reward
 def score(prompts, responses):
     # words of odd length always score 0 (a group with no signal); the others get the reverse task's reward
     return [0.0 if len(p.rstrip("=")) % 2 else reverse_reward(p, r) for p, r in zip(prompts, responses)]
@@ -338,7 +338,7 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     ({"fused_kernels": "false"}, []),
 ])
 def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, knobs, kernels_called):
-    """The run's first lines say which code computes the policy loss (ppo_core.precision.loss_paths); here the real
+    """The run's first lines say which code computes the policy loss (ppo_core.run.precision.loss_paths); here the real
     kernels are wrapped to record their calls in one policy_objective, and the line names exactly those (or the
     reference)."""
     import ppo_kernels

@@ -21,7 +21,7 @@ bookkeeping, so on a CPU-only build each backward is replaced by fake zero gradi
 kernels are followed only on a CUDA build (where the rest runs as well). torch.autocast("cuda") turns itself off
 without CUDA, so `fake_cuda_autocast` sets its state directly.
 
-The rollout engine's decode-only steps on ppo_core.static_decode's fixed-shape buffers (what its CUDA graphs
+The rollout engine's decode-only steps on ppo_core.engine.static_decode's fixed-shape buffers (what its CUDA graphs
 capture; the capture itself needs a GPU) are audited the same way on their own (`audit_static_decode`).
 
 Two processes: a process group whose only backend serves CUDA tensors is what `init_process_group("nccl")`
@@ -47,11 +47,11 @@ import ppo_kernels
 
 from ppo_core import train
 from ppo_core.config import build_config
-from ppo_core.model import load_model, load_score_model
-from ppo_core.reward_source import make_reward_source
+from ppo_core.models.model import load_model, load_score_model
+from ppo_core.rewards.source import make_reward_source
 from ppo_core.rollout import collect_rollout
-from ppo_core.tasks import eval_prompts
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.data.tasks import eval_prompts
+from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.update import MB_STATS, Optimizers, compute_advantages, ppo_update
 
 PPO_CORE = os.path.dirname(os.path.abspath(train.__file__))
@@ -189,7 +189,7 @@ def join_cuda_only_group(world=2):
     import torch.distributed as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ppo_core import distributed
+    from ppo_core.run import distributed
 
     c10d.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=world)
     distributed._device = torch.device("cuda")  # what distributed.init("cuda") sets (it also needs a real GPU)
@@ -303,7 +303,7 @@ def test_the_engine_static_decode_steps_on_fake_cuda_mix_no_devices(tmp_path):
 
 
 def audit_static_decode():
-    """The rollout engine's decode-only steps on ppo_core.static_decode's fixed-shape buffers, forced on (the graphs
+    """The rollout engine's decode-only steps on ppo_core.engine.static_decode's fixed-shape buffers, forced on (the graphs
     need the Triton backend, which fake tensors cannot launch), under bf16 autocast: every buffer on the device and
     no op mixing devices. Capturing and replaying the graphs needs a real GPU (tests/test_engine.py's GPU tier)."""
     from ppo_core.engine import RolloutEngine

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ppo_core import tokenizer
+from ppo_core.models import tokenizer
 from ppo_core.train import DEMO_CHECKPOINT, main
 
 SMALL = ["--iterations=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=16",

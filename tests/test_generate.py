@@ -1,4 +1,4 @@
-"""ppo_core/generate.py and the decoding path of ppo_core/model.py (runs everywhere; transformers only where named).
+"""ppo_core/engine/generate.py and the decoding path of ppo_core/models/model.py (runs everywhere; transformers only where named).
 
     python -m pytest -q tests/test_generate.py
 
@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppo_core
-from ppo_core.generate import filter_logits
-from ppo_core.model import CausalLM, KVCache, Linear, ModelArgs, can_pack_for_cpu, cpu_packed_linears
+from ppo_core.engine.generate import filter_logits
+from ppo_core.models.model import CausalLM, KVCache, Linear, ModelArgs, can_pack_for_cpu, cpu_packed_linears
 
 BASE = dict(vocab_size=131, hidden_size=60, intermediate_size=86, num_hidden_layers=4, num_attention_heads=6,
             num_key_value_heads=3, max_position_embeddings=128)

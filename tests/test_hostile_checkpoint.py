@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ppo_core.train as train
-from ppo_core import checkpoint
+from ppo_core.run import checkpoint
 
 # 2 iterations, a checkpoint after each, 8 rollouts of 6 tokens: ~1 s in process
 TINY = ["--iterations=2", "--save_every=1", "--eval_size=8", "--rollout_batch_size=8", "--minibatch_size=8",

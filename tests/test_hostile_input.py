@@ -7,10 +7,10 @@ import tracemalloc
 
 import pytest
 
-import ppo_core.prompts as prompts
+import ppo_core.data.prompts as prompts
 import ppo_core.train as train
 from ppo_core.config import ConfigError, build_config, parse_cli
-from ppo_core.prompts import MAX_ROW_BYTES, PromptsError, load_rows
+from ppo_core.data.prompts import MAX_ROW_BYTES, PromptsError, load_rows
 
 SMALL = ["--iterations=1", "--eval_size=2", "--rollout_batch_size=4", "--minibatch_size=4", "--micro_batch_size=4",
          "--ppo_epochs=1", "--progress=false"]

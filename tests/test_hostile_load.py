@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 import ppo_core.train as train
-from ppo_core.model import CausalLM, CheckpointError, ModelArgs, load_model, load_score_model, read_safetensors
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.models.model import CausalLM, CheckpointError, ModelArgs, load_model, load_score_model, read_safetensors
+from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.train import DEMO_CHECKPOINT
 from random_weights import randomize
 

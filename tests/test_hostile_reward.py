@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 
-from ppo_core import remote_reward, reward_server
-from ppo_core.remote_reward import RemoteReward, RewardUnavailable
-from ppo_core.rewards import RewardError
+from ppo_core.rewards import remote as remote_reward, server as reward_server
+from ppo_core.rewards.remote import RemoteReward, RewardUnavailable
+from ppo_core.rewards.interface import RewardError
 
 KEY = "k-3f9a1c"
 TIMEOUT_S = 0.5

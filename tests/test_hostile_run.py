@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from ppo_core import plan
-from ppo_core.tasks import eval_prompts
+from ppo_core.run import plan
+from ppo_core.data.tasks import eval_prompts
 from ppo_core.train import main
 
 SMALL = ["--iterations=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=16",
@@ -128,7 +128,7 @@ def test_a_reward_file_that_raises_at_import_is_one_line_and_error_log(tmp_path,
 
 
 def test_a_missing_function_names_the_file_and_what_it_defines(tmp_path, capsys):
-    module = tmp_path / "rewards.py"
+    module = tmp_path / "rewards/interface.py"
     module.write_text("def scorer(prompts, responses):\n    return [0.0] * len(responses)\n")
     assert main([f"--reward_fn={module}:score", f"--out={tmp_path / 'run'}", *SMALL]) == 2
     assert one_line(capsys) == (f"ppo-train: error: cannot load reward_fn '{module}:score': {module} has no 'score' "

@@ -6,8 +6,8 @@ import os
 
 from test_remote_reward import SMALL, ScriptedServer, ppo_train
 
-from ppo_core.runlog import redact_secrets
-from ppo_core.tracking import public_config
+from ppo_core.run.runlog import redact_secrets
+from ppo_core.run.tracking import public_config
 
 
 def test_redact_secrets_hand_worked():

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ppo_core.config import build_config
-from ppo_core.runlog import Logger, RunDir, default_run_path
+from ppo_core.run.runlog import Logger, RunDir, default_run_path
 from ppo_core.train import DEMO_CHECKPOINT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

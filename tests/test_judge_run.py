@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 JUDGE = os.path.join(ROOT, "ppo_core", "demo", "judge-demo")
-TRUE_REWARD = "--eval_reward_fn=ppo_core.tasks:reverse_rewards"
+TRUE_REWARD = "--eval_reward_fn=ppo_core.data.tasks:reverse_rewards"
 
 
 def ppo_train(*args, cwd):
@@ -25,7 +25,7 @@ def read_jsonl(path):
 
 
 def test_a_judge_on_its_own_server_is_the_only_reward_and_raises_the_true_reward(tmp_path):
-    server = subprocess.Popen([sys.executable, "-m", "ppo_core.reward_server", "--host=127.0.0.1", "--port=0",
+    server = subprocess.Popen([sys.executable, "-m", "ppo_core.rewards.server", "--host=127.0.0.1", "--port=0",
                                f"--judge={JUDGE}", "--judge_max_new_tokens=64"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
@@ -75,7 +75,7 @@ def test_pairwise_judge_compares_with_reference_policy_samples_when_rows_have_no
 def test_a_pairwise_judge_on_a_server_gets_reference_responses_from_the_trainer(tmp_path):
     """The trainer told --judge_mode=pairwise with --reward_url samples the reference responses and sends them as the
     judge_reference_column column; the server's pairwise judge reads them."""
-    server = subprocess.Popen([sys.executable, "-m", "ppo_core.reward_server", "--host=127.0.0.1", "--port=0",
+    server = subprocess.Popen([sys.executable, "-m", "ppo_core.rewards.server", "--host=127.0.0.1", "--port=0",
                                f"--judge={JUDGE}", "--judge_mode=pairwise", "--judge_max_new_tokens=96"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
@@ -97,7 +97,7 @@ def test_a_pairwise_judge_on_a_server_gets_reference_responses_from_the_trainer(
         assert s["reward"] == (("[[A]]" in a) + ("[[B]]" in b)) / 2
 
 
-@pytest.mark.parametrize("other", ["--reward_fn=ppo_core.tasks:reverse_rewards", "--reward_url=http://127.0.0.1:9"])
+@pytest.mark.parametrize("other", ["--reward_fn=ppo_core.data.tasks:reverse_rewards", "--reward_url=http://127.0.0.1:9"])
 def test_a_judge_and_another_reward_source_is_one_line(tmp_path, other):
     proc = ppo_train(f"--judge={JUDGE}", other, f"--out={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1

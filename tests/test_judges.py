@@ -1,4 +1,4 @@
-"""ppo_core/judges.py: the verdict parsers on hand-written judge outputs, the both-orders pairwise reward on
+"""ppo_core/rewards/judges.py: the verdict parsers on hand-written judge outputs, the both-orders pairwise reward on
 hand-worked cases, judge prompts through a chat template, and the shipped tiny judge (ppo_core/demo/judge-demo)
 scoring reverse-task answers whose true rewards are known (tasks.reverse_reward)."""
 import os
@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from ppo_core.judges import (RATIONALE_HEADERS, JudgeError, JudgeReward, pairwise_reward, parse_pairwise,
+from ppo_core.rewards.judges import (RATIONALE_HEADERS, JudgeError, JudgeReward, pairwise_reward, parse_pairwise,
                              parse_pointwise, render_judge_prompt, resolve_template)
-from ppo_core.rewards import RewardError
-from ppo_core.tasks import reverse_reward
+from ppo_core.rewards.interface import RewardError
+from ppo_core.data.tasks import reverse_reward
 
 JUDGE = os.path.join(os.path.dirname(__file__), "..", "ppo_core", "demo", "judge-demo")
 

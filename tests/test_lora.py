@@ -1,6 +1,6 @@
-"""ppo_core/lora.py on real (tiny, random-weight) models of this library: fresh adapters change nothing, only the
+"""ppo_core/models/lora.py on real (tiny, random-weight) models of this library: fresh adapters change nothing, only the
 adapters train, the adapted projection is W x + b + s B A x, disabled adapters give the base exactly, merging
-matches the adapted model and loads in `transformers`, counts agree with ppo_core.plan, adapter checkpoints
+matches the adapted model and loads in `transformers`, counts agree with ppo_core.run.plan, adapter checkpoints
 round-trip.
 
     python -m pytest -q tests/test_lora.py
@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ppo_core import plan
-from ppo_core.lora import (
+from ppo_core.run import plan
+from ppo_core.models.lora import (
     LoRALinear, adapters_disabled, add_lora, count_lora_parameters, has_lora, load_lora_state_dict,
     lora_state_dict, merge_lora, merged_state_dict, save_merged,
 )
-from ppo_core.model import CausalLM, Linear, ModelArgs, ScoreModel, can_pack_for_cpu, load_model, load_score_model
+from ppo_core.models.model import CausalLM, Linear, ModelArgs, ScoreModel, can_pack_for_cpu, load_model, load_score_model
 from random_weights import randomize
 
 BASE = dict(vocab_size=131, hidden_size=60, intermediate_size=86, num_hidden_layers=2, num_attention_heads=6,
@@ -242,7 +242,7 @@ def test_merged_critic_keeps_its_trained_score_head(tmp_path):
 @pytest.mark.parametrize("cls", [CausalLM, ScoreModel])
 @pytest.mark.parametrize("name", list(CONFIGS) + ["Qwen3-0.6B"])
 def test_adapter_count_equals_the_planners(name, cls):
-    """count_lora_parameters = ppo_core.plan's `lora` for the same config and rank; a real config on the meta
+    """count_lora_parameters = ppo_core.run.plan's `lora` for the same config and rank; a real config on the meta
     device (no memory)."""
     if name in CONFIGS:
         cfg = dict(CONFIGS[name])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ppo_core import lora
-from ppo_core.model import load_model
+from ppo_core.models import lora
+from ppo_core.models.model import load_model
 from ppo_core.train import DEMO_CHECKPOINT
 from test_resume import DRIVER
 

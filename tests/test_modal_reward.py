@@ -76,7 +76,7 @@ def test_settings_from_the_environment(monkeypatch):
     (dict(PPO_MODAL_REWARD_MIN_CONTAINERS="5"), "MIN_CONTAINERS=5 is more than PPO_MODAL_REWARD_MAX_CONTAINERS=4"),
     (dict(PPO_MODAL_REWARD_ARGS="--reward_model /vol/models/rm --port 9000"), "--port is set by scripts/modal_reward"),
     (dict(PPO_MODAL_REWARD_ARGS="--host=127.0.0.1"), "--host is set by scripts/modal_reward"),
-    (dict(PPO_MODAL_REWARD_ARGS="--reward_fn 'rewards.py:score"), "PPO_MODAL_REWARD_ARGS: No closing quotation"),
+    (dict(PPO_MODAL_REWARD_ARGS="--reward_fn 'rewards/interface.py:score"), "PPO_MODAL_REWARD_ARGS: No closing quotation"),
 ])
 def test_bad_settings_name_the_variable(monkeypatch, env, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -86,7 +86,7 @@ def test_bad_settings_name_the_variable(monkeypatch, env, message):
 def test_server_command(monkeypatch):
     module = load_script(monkeypatch)
     assert module.server_command(["--reward_model", "/vol/models/rm", "--dtype=bfloat16"]) == [
-        "python", "-m", "ppo_core.reward_server", "--host", "0.0.0.0", "--port", "8000",
+        "python", "-m", "ppo_core.rewards.server", "--host", "0.0.0.0", "--port", "8000",
         "--reward_model", "/vol/models/rm", "--dtype=bfloat16"]
 
 
@@ -244,5 +244,5 @@ def test_the_modal_function_body_starts_the_configured_server(monkeypatch, no_cr
     monkeypatch.setattr(module, "start_server", lambda argv, port, timeout_s: started.append((argv, port, timeout_s)))
     with pytest.warns(UserWarning, match="executing locally"):  # Modal: no Volume when run locally
         module.serve.local()
-    assert started == [(["python", "-m", "ppo_core.reward_server", "--host", "0.0.0.0", "--port", "8000",
+    assert started == [(["python", "-m", "ppo_core.rewards.server", "--host", "0.0.0.0", "--port", "8000",
                          "--judge", "/vol/models/CE RM 4B", "--dtype=bfloat16"], 8000, 900)]

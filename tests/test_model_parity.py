@@ -1,4 +1,4 @@
-"""Parity of ppo_core/model.py and ppo_core/generate.py with `transformers` (the reference, test-only) for every
+"""Parity of ppo_core/models/model.py and ppo_core/engine/generate.py with `transformers` (the reference, test-only) for every
 supported family, on tiny random-weight checkpoints written by `transformers` itself.
 
     python -m pytest -q tests/test_model_parity.py
@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 import ppo_core  # noqa: E402
 from random_weights import randomize  # noqa: E402
-from ppo_core.model import (  # noqa: E402
+from ppo_core.models.model import (  # noqa: E402
     FAMILY_DEFAULTS, CheckpointError, KVCache, ModelArgs, count_parameters, load_model, load_reward_model,
     load_score_model, read_safetensors_header,
 )
@@ -234,7 +234,7 @@ def test_rope_and_norm_short_forms_give_the_plain_formulas_bits():
     """apply_rope's roll against a sign-folded sin table, and RMSNorm's single F.rms_norm call (CPU, float32, no
     autograd), give exactly the bits of the formulas they replace: x cos + cat(-x2, x1) sin, and weight * (x /
     sqrt(mean(x^2) + eps)) as the autograd path computes it; both within rounding of float64."""
-    from ppo_core.model import RMSNorm, apply_rope
+    from ppo_core.models.model import RMSNorm, apply_rope
 
     g = torch.Generator().manual_seed(0)
     for shape, table in (((2, 3, 5, 8), (2, 1, 5, 8)), ((1, 7, 3, 8), (1, 7, 1, 8))):  # head- and token-major
@@ -368,7 +368,7 @@ def test_errors_name_the_problem(checkpoints, tmp_path):
     model = load_model(path)
     state = {k: v for k, v in model.state_dict().items() if k != "model.layers.2.self_attn.k_proj.bias"}
     (broken / "config.json").write_text(json.dumps(cfg))
-    from ppo_core.model import write_safetensors
+    from ppo_core.models.model import write_safetensors
     write_safetensors(str(broken / "model.safetensors"), state)
     with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.2.self_attn.k_proj.bias"):
         load_model(str(broken))

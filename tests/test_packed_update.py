@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppo_core.config import build_config
-from ppo_core.model import ModelArgs, ScoreModel
+from ppo_core.models.model import ModelArgs, ScoreModel
 from ppo_core.rollout import Sampled, rollout_forward
 from ppo_core.update import MB_STATS, compute_advantages, minibatch_gradients, ppo_update
 
@@ -116,7 +116,7 @@ def test_update_gradients_packed_equal_padded_to_float64_rounding(variant, fused
         cfg = config(packed, fused_kernels=str(fused).lower(), **variant)
         rollout = scored(cfg, policy, reference, critic)
         if packed:
-            from ppo_core.packing import token_budget_micro_batches
+            from ppo_core.data.packing import token_budget_micro_batches
             lengths = rollout.host_mask.sum(-1).tolist()
             plan = token_budget_micro_batches(list(range(B)), lengths, BUDGET)
             assert all(sum(lengths[r] for r in rows) <= BUDGET or len(rows) == 1 for rows in plan)

@@ -1,6 +1,6 @@
-"""Packed (padding-free) forwards and the packing logic: ppo_core/packing.py and the packed parts of ppo_core/model.py
+"""Packed (padding-free) forwards and the packing logic: ppo_core/data/packing.py and the packed parts of ppo_core/models/model.py
 (`packed_attention`, `Backbone.forward_packed`, `forward(packed=...)`, `ScoreModel.score_packed`), and the reward
-model's scoring by token budget (ppo_core/reward_model.py). Runs everywhere; one GPU tier at the end.
+model's scoring by token budget (ppo_core/rewards/reward_model.py). Runs everywhere; one GPU tier at the end.
 
     python -m pytest -q tests/test_packing.py
 
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from ppo_core.config import build_config
-from ppo_core.lora import LoRALinear, add_lora, adapters_disabled
-from ppo_core.model import CausalLM, ModelArgs, ScoreModel, attention, causal_window_mask, packed_attention
-from ppo_core.packing import balanced_split, pack_rows, token_budget_micro_batches, unpack_rows
-from ppo_core.reward_model import RewardModelReward
+from ppo_core.models.lora import LoRALinear, add_lora, adapters_disabled
+from ppo_core.models.model import CausalLM, ModelArgs, ScoreModel, attention, causal_window_mask, packed_attention
+from ppo_core.data.packing import balanced_split, pack_rows, token_budget_micro_batches, unpack_rows
+from ppo_core.rewards.reward_model import RewardModelReward
 from ppo_core.train import DEMO_CHECKPOINT
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -426,9 +426,9 @@ def test_reward_model_packed_scores_equal_padded_scores(reward_model_dir):
 SHARDED_DRIVER = """
 import json, sys
 import torch
-from ppo_core import distributed as dist
+from ppo_core.run import distributed as dist
 from ppo_core.config import build_config
-from ppo_core.reward_model import RewardModelReward
+from ppo_core.rewards.reward_model import RewardModelReward
 path, out, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 rank, world, device = dist.init("cpu")
 source = RewardModelReward(path, build_config(overrides={"reward_model": path, "micro_batch_tokens": "16"}), "cpu",

@@ -1,4 +1,4 @@
-"""ppo-plan (ppo_core/plan.py): the seed figures from the real architecture configs, the JSON schema, fits,
+"""ppo-plan (ppo_core/run/plan.py): the seed figures from the real architecture configs, the JSON schema, fits,
 FSDP, offload, LoRA, and the activation and KV-cache estimates against what a CPU run actually holds.
 
 The activation checks train one micro-batch with the loop's own functions (rollout.response_logprobs +
@@ -16,9 +16,10 @@ import sys
 import pytest
 import torch
 
-from ppo_core import algo, plan, train
-from ppo_core.model import KVCache, ModelArgs, count_parameters, load_model, load_score_model
-from ppo_core.packing import pack_rows
+from ppo_core import algo, train
+from ppo_core.run import plan
+from ppo_core.models.model import KVCache, ModelArgs, count_parameters, load_model, load_score_model
+from ppo_core.data.packing import pack_rows
 from ppo_core.rollout import response_logprobs, response_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +72,7 @@ def test_every_seed_config_plans_with_its_published_parameter_count(name):
     try:
         ModelArgs.from_hf_config(json.load(open(config(name))))
     except ValueError as e:
-        pytest.skip(f"{name} is not supported by ppo_core.model yet: {e}")
+        pytest.skip(f"{name} is not supported by ppo_core.models.model yet: {e}")
     result = plan.plan(path)
     assert result["roles"]["policy"]["params"] == count_parameters(path)
     # the table gives three decimals of billions: within one unit of the last digit
@@ -269,8 +270,8 @@ def test_text_report(capsys):
 
 
 def test_bad_inputs_are_one_line_errors_with_status_2(tmp_path):
-    # as a user runs it: `python -m ppo_core.plan` (installed as `ppo-plan`)
-    proc = subprocess.run([sys.executable, "-m", "ppo_core.plan", "--policy", str(tmp_path / "nope"), "--json"],
+    # as a user runs it: `python -m ppo_core.run.plan` (installed as `ppo-plan`)
+    proc = subprocess.run([sys.executable, "-m", "ppo_core.run.plan", "--policy", str(tmp_path / "nope"), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("ppo-plan: error: no such checkpoint")
@@ -456,7 +457,7 @@ def test_a_paged_sequence_holds_what_the_engine_holds(window):
     """One sequence of 40 tokens (3 blocks of 16; a window of 20 spans at most 3 blocks too, of 5 at this length
     for a longer one) in the engine's pool, against paged_sequence_bytes, in float32 (4 bytes)."""
     from ppo_core.engine import RolloutEngine
-    from ppo_core.model import CausalLM
+    from ppo_core.models.model import CausalLM
 
     cfg = {"architectures": ["Olmo3ForCausalLM"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 256,
@@ -530,7 +531,7 @@ def _value_loss(critic, batch, P, packed=None):
 
 def measure(policy, critic, M, P, R, rss=False, packed=False) -> dict:
     """One training micro-batch: {role: {"saved": bytes autograd saved, "peak": peak RSS increase (rss=True)}};
-    packed=True runs it packed (ppo_core.packing, as micro_batch_tokens does) and adds "tokens", its real tokens."""
+    packed=True runs it packed (ppo_core.data.packing, as micro_batch_tokens does) and adds "tokens", its real tokens."""
     V = policy.args.vocab_size
     params = {p.untyped_storage().data_ptr() for m in (policy, critic) for p in m.parameters()}
     for model, loss_fn in ((policy, _policy_loss), (critic, _value_loss)):  # warm-up; steady state has .grad
@@ -639,7 +640,7 @@ def test_activation_estimate_with_sliding_windows_shorter_than_the_sequence():
     """OLMo-3-style layers with a window of 8 in a 32-token micro-batch need a mask (model.attention): their K and
     V are repeated to all query heads and the mask kept as a float bias, about 5.5% of what autograd saves here; the
     estimate counts them and matches the saved bytes to 1%."""
-    from ppo_core.model import CausalLM, ScoreModel
+    from ppo_core.models.model import CausalLM, ScoreModel
 
     cfg = dict(architectures=["Olmo3ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=256, tie_word_embeddings=True,
@@ -655,7 +656,7 @@ def test_activation_estimate_with_sliding_windows_shorter_than_the_sequence():
 
 
 if __name__ == "__main__":  # the measuring process of test_activation_estimate_within_25_percent_of_measured_peak
-    from ppo_core.model import CausalLM, ScoreModel
+    from ppo_core.models.model import CausalLM, ScoreModel
 
     torch.set_num_threads(1)
     results = {}

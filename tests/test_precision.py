@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_precision.py
 
 bf16-mixed keeps fp32 master weights and runs every matmul under torch.autocast (bf16 operands, fp32
-accumulation); on the CPU attention computes in fp32 (ppo_core.model.attention) and the KV cache is fp32. These
+accumulation); on the CPU attention computes in fp32 (ppo_core.models.model.attention) and the KV cache is fp32. These
 tests check that the projections really ran in bf16 in every pass of a real run (a setting that silently stays
 fp32 is the easy mistake), that the packed decoding weights are bf16 and decode what autocast's F.linear decodes,
 that the forward lands within bf16's rounding of float64, and the two precision records: config.json and the
@@ -20,8 +20,8 @@ import torch
 import ppo_core
 from ppo_core import train
 from ppo_core.config import build_config
-from ppo_core.precision import bf16_matmul_hardware, precision_line, resolve_precision
-from ppo_core.model import Backbone, KVCache, Linear, can_pack_for_cpu, cpu_packed_linears, onednn_bf16_supported
+from ppo_core.run.precision import bf16_matmul_hardware, precision_line, resolve_precision
+from ppo_core.models.model import Backbone, KVCache, Linear, can_pack_for_cpu, cpu_packed_linears, onednn_bf16_supported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_generate import CONFIGS, prompts, tiny  # noqa: E402
@@ -42,7 +42,7 @@ def cpu_flags():
 # Environment settings that make torch and oneDNN on any x86 CPU behave as on an AVX2-only one (e.g. AMD Zen 3):
 # ATen's vectorised kernels at AVX2, oneDNN capped at AVX2 (so it runs no bf16: packing bf16 weights raises there).
 AS_ON_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-RESOLVE_AUTO = ("import json; from ppo_core import precision; from ppo_core.config import build_config; "
+RESOLVE_AUTO = ("import json; from ppo_core.run import precision; from ppo_core.config import build_config; "
                 "p = precision.resolve_precision(build_config(overrides={'device': 'cpu'})); "
                 "print(json.dumps({**p.describe(), 'line': precision.precision_line(p)}))")
 
@@ -80,7 +80,7 @@ def test_auto_turns_on_bf16_autocast_exactly_on_cpus_where_onednn_runs_amx_or_av
 def test_auto_follows_the_probes_on_every_cpu(monkeypatch, onednn, amx, avx512_bf16, expected):
     """Both branches of dtype='auto' on every machine, the probes' answers forced: bf16 only where oneDNN runs bf16
     and the CPU has AMX or AVX512-BF16; and each run's first lines name the kernels bf16-mixed runs on."""
-    monkeypatch.setattr(ppo_core.precision, "onednn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(ppo_core.run.precision, "onednn_bf16_supported", lambda: onednn)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert bf16_matmul_hardware("cpu") == expected
@@ -104,7 +104,7 @@ def test_decoding_packs_bf16_weights_only_where_onednn_runs_bf16(monkeypatch, on
     """Under bf16 autocast the packed copies would be bf16, which oneDNN packs only on CPUs it runs bf16 on (elsewhere
     `_reorder_linear_weight` raises): generate then multiplies with autocast's F.linear, the same bf16 products.
     float32 weights without autocast pack on every CPU."""
-    monkeypatch.setattr(ppo_core.model, "onednn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(ppo_core.models.model, "onednn_bf16_supported", lambda: onednn)
     model = tiny("qwen3")
     assert can_pack_for_cpu(model) == torch.backends.mkldnn.is_available()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -265,7 +265,7 @@ def test_old_logprobs_from_rollout_skips_the_policy_forward_and_reports_the_rati
 def test_a_run_resumed_where_auto_resolves_differently_says_so(tmp_path):
     """dtype='auto' is the same config on every machine, so a run started on a CPU with AVX512-BF16 continues on one
     without (or on a GPU): RunDir re-opens it, and the log says the continuation is not bit-exact."""
-    from ppo_core.runlog import RunDir
+    from ppo_core.run.runlog import RunDir
 
     cfg = build_config(overrides={"out": str(tmp_path / "run")})
     here = {"device": "cpu", "weights": "float32", "matmuls": "bfloat16", "why": "dtype='auto': ... (AVX512-BF16)"}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ppo_core.prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out
+from ppo_core.data.prompts import PromptsError, RowStream, columns_of, load_rows, prompt_text, split_held_out
 
 CHAT = [{"role": "system", "content": "Answer with a number."},
         {"role": "user", "content": "2+2?"},

@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from ppo_core import plan
-from ppo_core.lora import LoRALinear, add_lora, count_lora_parameters, save_merged
-from ppo_core.model import CausalLM, ModelArgs, load_model
+from ppo_core.run import plan
+from ppo_core.models.lora import LoRALinear, add_lora, count_lora_parameters, save_merged
+from ppo_core.models.model import CausalLM, ModelArgs, load_model
 from random_weights import randomize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

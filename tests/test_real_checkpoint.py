@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ppo_core.engine import RolloutEngine
-from ppo_core.model import load_model
-from ppo_core.packing import pack_rows
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.models.model import load_model
+from ppo_core.data.packing import pack_rows
+from ppo_core.models.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from ppo_core.remote_reward import RemoteReward, RewardUnavailable
-from ppo_core.rewards import RewardError
-from ppo_core.tasks import reverse_rewards
+from ppo_core.rewards.remote import RemoteReward, RewardUnavailable
+from ppo_core.rewards.interface import RewardError
+from ppo_core.data.tasks import reverse_rewards
 
 SMALL = ["--eval_size=8", "--rollout_batch_size=8", "--minibatch_size=8", "--micro_batch_size=8", "--ppo_epochs=1",
          "--progress=false", "--max_new_tokens=10"]
@@ -225,7 +225,7 @@ def test_ppo_train_wrong_answer_exit_2_silent_server_exit_3_down_before_training
 
 KILLER = '''
 import os, signal
-from ppo_core.tasks import reverse_rewards
+from ppo_core.data.tasks import reverse_rewards
 
 def reverse(prompts, responses):
     """The reverse task's reward; call number KILL_AT (counted in COUNT_FILE) kills the server process it runs in."""
@@ -241,7 +241,7 @@ def reverse(prompts, responses):
 def serve(tmp_path, port, count_file, kill_at=0):
     """ppo-serve-reward of killer.py:reverse on `port`; -> the process, once it says it serves."""
     env = {**os.environ, "COUNT_FILE": str(count_file), "KILL_AT": str(kill_at)}
-    return subprocess.Popen([sys.executable, "-m", "ppo_core.reward_server", f"--port={port}", "--reward_fn=killer.py:reverse"],
+    return subprocess.Popen([sys.executable, "-m", "ppo_core.rewards.server", f"--port={port}", "--reward_fn=killer.py:reverse"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -316,7 +316,7 @@ def test_two_processes_stop_together_when_one_gets_no_answer(scripted, tmp_path)
 
 def test_config_keys_of_a_remote_reward():
     from ppo_core.config import ConfigError, build_config
-    from ppo_core.reward_source import make_reward_source
+    from ppo_core.rewards.source import make_reward_source
 
     cfg = build_config(overrides={"reward_url": "http://a:1,https://b:2/get_reward", "reward_timeout_s": "2.5",
                                   "reward_retries": "0"})

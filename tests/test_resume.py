@@ -16,7 +16,7 @@ import background
 import ppo_core.train as train
 import ppo_core.update as update
 from ppo_core.config import build_config
-from ppo_core.runlog import RunDir, RunDirError
+from ppo_core.run.runlog import RunDir, RunDirError
 
 ARGS = ["--iterations=3", "--save_every=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=8",
         "--micro_batch_size=8", "--ppo_epochs=1", "--progress=false"]
@@ -27,7 +27,7 @@ WALL_CLOCK = ("time/", "tokens_per_s")
 DRIVER = r'''
 import os, signal, sys
 import ppo_core.train as train
-import ppo_core.checkpoint as checkpoint
+import ppo_core.run.checkpoint as checkpoint
 import ppo_core.rollout as rollout
 where, n = sys.argv[1], int(sys.argv[2])
 calls = [0]

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers")
 
 import ppo_core.train as train
 from ppo_core.config import build_config
-from ppo_core.reward_model import RewardModelReward
+from ppo_core.rewards.reward_model import RewardModelReward
 from ppo_core.train import DEMO_CHECKPOINT
-from ppo_core.tokenizer import load_tokenizer
+from ppo_core.models.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

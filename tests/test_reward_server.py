@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from ppo_core.config import build_config
-from ppo_core.model import load_score_model
-from ppo_core.precision import resolve_precision
-from ppo_core.remote_reward import RemoteReward
-from ppo_core.reward_source import make_reward_source
-from ppo_core.rewards import RewardError
-from ppo_core.tasks import eval_prompts
+from ppo_core.models.model import load_score_model
+from ppo_core.run.precision import resolve_precision
+from ppo_core.rewards.remote import RemoteReward
+from ppo_core.rewards.source import make_reward_source
+from ppo_core.rewards.interface import RewardError
+from ppo_core.data.tasks import eval_prompts
 from ppo_core.train import DEMO_CHECKPOINT
 from random_weights import randomize
 
@@ -45,7 +45,7 @@ def exact(prompts, responses, answer, delay=None):
 
 def start_server(*args, cwd):
     """A ppo-serve-reward process on a free port; -> (process, its URL) once it says it serves."""
-    proc = subprocess.Popen([sys.executable, "-m", "ppo_core.reward_server", "--port=0", *args], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "ppo_core.rewards.server", "--port=0", *args], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc
 
@@ -221,7 +221,7 @@ def test_bad_requests_are_400_a_raising_reward_500_and_the_server_keeps_serving(
 
 def test_a_bad_start_is_one_line_and_exit_2(tmp_path, capsys):
     """ppo-serve-reward's main, in this process: each bad start is one line on stderr and exit status 2."""
-    from ppo_core.reward_server import main
+    from ppo_core.rewards.server import main
 
     cases = [(["--port=0", "--reward_modle=x"], "unknown config key 'reward_modle' (did you mean 'reward_model'"),
              (["--port=0", f"--reward_model={tmp_path / 'none'}"], str(tmp_path / "none")),

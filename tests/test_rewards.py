@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ppo_core.config import build_config, load_toml
-from ppo_core.reward_functions import WeightedReward, metric_names
-from ppo_core.reward_source import make_reward_source
-from ppo_core.rewards import CallableReward, RewardError
+from ppo_core.rewards.functions import WeightedReward, metric_names
+from ppo_core.rewards.source import make_reward_source
+from ppo_core.rewards.interface import CallableReward, RewardError
 
 PROMPTS = ["kitten=", "dog=", "mouse=", "ox="]
 RESPONSES = ["nettik", "god", "esuom", "xo"]
@@ -208,7 +208,7 @@ def test_weighted_functions_from_a_toml_list_add_up_like_a_plain_loop(tmp_path):
 
 
 def test_one_function_and_the_task_reward_are_wrapped_the_same_way(tmp_path):
-    from ppo_core.tasks import reverse_rewards
+    from ppo_core.data.tasks import reverse_rewards
 
     (tmp_path / "my_rewards.py").write_text(REWARDS_PY)
     cfg = build_config(overrides={"reward_fn": f"{tmp_path}/my_rewards.py:brevity"})  # weights default to 1.0

@@ -1,11 +1,11 @@
-"""How a rollout's rows go from the rollout workers to the trainers (ppo_core.rollout_worker.trainer_shares), on
+"""How a rollout's rows go from the rollout workers to the trainers (ppo_core.run.rollout_worker.trainer_shares), on
 hand-written parts: the runs themselves are in tests/test_distributed.py."""
 import json
 
 import torch
 
 from ppo_core.rollout import Sampled, sampled_from_state, sampled_state, state_lists
-from ppo_core.rollout_worker import (pack_message, trainer_shares, unpack_message, updated_names, weight_buckets,
+from ppo_core.run.rollout_worker import (pack_message, trainer_shares, unpack_message, updated_names, weight_buckets,
                                      wire_dtypes)
 
 PAD = 7
@@ -70,7 +70,7 @@ def test_fewer_trainers_than_workers_merge_the_parts_they_cover():
 
 
 def test_the_weights_travel_in_buckets_of_one_wire_dtype_and_about_the_bucket_size(monkeypatch):
-    import ppo_core.rollout_worker as rollout_worker
+    import ppo_core.run.rollout_worker as rollout_worker
 
     monkeypatch.setattr(rollout_worker, "BUCKET_BYTES", 64)
     f32, bf16 = torch.float32, torch.bfloat16
@@ -82,7 +82,7 @@ def test_the_weights_travel_in_buckets_of_one_wire_dtype_and_about_the_bucket_si
 
 
 def test_under_autocast_the_block_linears_travel_in_bf16_and_the_rest_as_it_is():
-    from ppo_core.model import load_model
+    from ppo_core.models.model import load_model
     from ppo_core.train import DEMO_CHECKPOINT
 
     policy = load_model(DEMO_CHECKPOINT)
@@ -121,8 +121,8 @@ def test_a_checkpoint_s_pending_rollout_as_lists_merges_as_the_tensors_do():
 
 
 def test_with_lora_only_the_adapters_travel_after_each_update():
-    from ppo_core.lora import add_lora
-    from ppo_core.model import load_model
+    from ppo_core.models.lora import add_lora
+    from ppo_core.models.model import load_model
     from ppo_core.train import DEMO_CHECKPOINT
 
     policy = load_model(DEMO_CHECKPOINT)

@@ -1,9 +1,9 @@
-"""The built-in tasks' prompts and rewards (ppo_core/tasks.py): hand-worked arith cases, held-out sets, resume."""
+"""The built-in tasks' prompts and rewards (ppo_core/data/tasks.py): hand-worked arith cases, held-out sets, resume."""
 import re
 
 import pytest
 
-from ppo_core.tasks import (
+from ppo_core.data.tasks import (
     PromptStream,
     arith_answer,
     arith_answer_reward,
@@ -112,7 +112,7 @@ def test_unknown_task():
 # ---------------------------------------------------------------------------------------- toolmul
 
 def test_toolmul_rows_are_products_held_out_and_streamed_apart():
-    from ppo_core.tasks import ToolmulStream, toolmul_row, toolmul_rows
+    from ppo_core.data.tasks import ToolmulStream, toolmul_row, toolmul_rows
 
     assert toolmul_row("123*456") == {"prompt": "123*456", "answer": "56088"}  # 123 * 456 = 56088, by hand
     with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""ppo_core/tokenizer.py and ppo_core/chat_template.py against transformers' tokenizer on the same files.
+"""ppo_core/models/tokenizer.py and ppo_core/models/chat_template.py against transformers' tokenizer on the same files.
 
     python -m pytest -q tests/test_tokenizer.py
 
@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from ppo_core import CheckpointError, load_tokenizer
-from ppo_core.chat_template import render_chat_template
+from ppo_core.models.chat_template import render_chat_template
 
 transformers = pytest.importorskip("transformers")
 

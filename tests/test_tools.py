@@ -1,6 +1,6 @@
 """Tool calls and the code reward: parsing hand-written assistant texts, the calculator against hand-worked values
 and its refusals, the error observations and their counts, the Python tool and the code reward through the real
-sandbox (ppo_core/sandbox.py: real processes, no mocks), and the code reward loaded as ppo-train loads it."""
+sandbox (ppo_core/agents/sandbox.py: real processes, no mocks), and the code reward loaded as ppo-train loads it."""
 import json
 import os
 import time
@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from ppo_core import sandbox
-from ppo_core.code_reward import CodeTests, extract_code, split_tests
+from ppo_core.agents import sandbox
+from ppo_core.rewards.code_tests import CodeTests, extract_code, split_tests
 from ppo_core.config import build_config
-from ppo_core.reward_source import make_reward_source
-from ppo_core.rewards import RewardError
-from ppo_core.tools import (
+from ppo_core.rewards.source import make_reward_source
+from ppo_core.rewards.interface import RewardError
+from ppo_core.agents.tools import (
     TOOL_CALL_END,
     Calculator,
     MalformedCall,
@@ -28,7 +28,7 @@ from ppo_core.tools import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the Python tool and the code reward run code in ppo_core.sandbox, which refuses to run on a machine that cannot
+# the Python tool and the code reward run code in ppo_core.agents.sandbox, which refuses to run on a machine that cannot
 # isolate it (no unshare, no user namespaces): there those tests have nothing to check
 ISOLATION = sandbox.isolation()
 needs_sandbox = pytest.mark.skipif(ISOLATION.startswith("none"), reason=f"no sandbox on this machine: {ISOLATION}")
@@ -219,7 +219,7 @@ def test_run_tool_calls_without_calls():
 
 
 def test_observations_render_as_tool_responses_in_qwen3_s_template():
-    from ppo_core.chat_template import render_chat_template
+    from ppo_core.models.chat_template import render_chat_template
 
     test_tokenizer = pytest.importorskip("test_tokenizer")  # holds Qwen3's template (and needs transformers)
     assistant = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
@@ -268,7 +268,7 @@ def test_python_tool_times_out_plainly():
 
 @needs_sandbox
 def test_python_tool_bounds_its_observation_and_runs_through_a_pool():
-    from ppo_core.sandbox import SandboxPool
+    from ppo_core.agents.sandbox import SandboxPool
 
     tool = PythonTool(SandboxPool(2), max_chars=100)
     out = tool({"code": "print('x' * 1000)"})
@@ -381,7 +381,7 @@ def test_the_solution_does_not_see_the_trainer_s_secrets(monkeypatch):
 
 
 @needs_sandbox
-@pytest.mark.parametrize("spec", ["ppo_core.code_reward:code_tests", f"{ROOT}/ppo_core/code_reward.py:code_tests"])
+@pytest.mark.parametrize("spec", ["ppo_core.rewards.code_tests:code_tests", f"{ROOT}/ppo_core/rewards/code_tests.py:code_tests"])
 def test_loads_as_ppo_train_loads_a_reward_function(spec):
     source = make_reward_source(build_config(overrides={"reward_fn": spec}))
     with pytest.raises(RewardError, match="needs column 'tests'"):

@@ -1,4 +1,4 @@
-"""ppo_core.tracking: TensorBoard and W&B get the metrics.jsonl names and values, read back from the files they
+"""ppo_core.run.tracking: TensorBoard and W&B get the metrics.jsonl names and values, read back from the files they
 write (TensorBoard's event file through its own EventAccumulator, W&B's offline .wandb log record by record);
 samples.jsonl round-trips and truncates like metrics.jsonl; a missing package is one line; rank 1 writes nothing.
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ppo_core import tracking
-from ppo_core.tracking import Tracker, TrackingError, truncate_samples, write_samples
+from ppo_core.run import tracking
+from ppo_core.run.tracking import Tracker, TrackingError, truncate_samples, write_samples
 
 CONFIG = {"lr": 5e-4, "task": "reverse", "iterations": 3, "max_new_tokens": 12, "reward_api_key": "sk-not-for-logs"}
 # three iterations of metrics as the loop builds them: "step" (the x-axis), floats, an int, and entries that are

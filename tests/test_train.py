@@ -10,7 +10,7 @@ import torch
 
 import background
 import ppo_core
-from ppo_core.precision import bf16_matmul_hardware
+from ppo_core.run.precision import bf16_matmul_hardware
 from ppo_core.train import DEMO_CHECKPOINT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +185,7 @@ def test_existing_run_directory_is_refused(default_run, capsys):
 
 
 def test_reward_function_that_raises_names_the_sample(tmp_path, capsys):
-    from ppo_core.tasks import eval_prompts
+    from ppo_core.data.tasks import eval_prompts
 
     bad = eval_prompts(8, seed=0)[5]  # the 'before' evaluation scores these 8 held-out prompts first
     module = tmp_path / "bad_reward.py"

@@ -1,9 +1,9 @@
-"""ppo_core/verifiers.py against hand-worked examples: every extraction rule, every number form, the edge cases."""
+"""ppo_core/rewards/verifiers.py against hand-worked examples: every extraction rule, every number form, the edge cases."""
 from fractions import Fraction
 
 import pytest
 
-from ppo_core.verifiers import (
+from ppo_core.rewards.verifiers import (
     extract_answer,
     extract_boxed,
     extract_gsm8k,
@@ -223,9 +223,9 @@ def test_docstring_examples():
     """The examples in the module's docstrings are right (they are what a reader copies)."""
     import doctest
 
-    import ppo_core.verifiers
+    import ppo_core.rewards.verifiers
 
-    failures, tried = doctest.testmod(ppo_core.verifiers)
+    failures, tried = doctest.testmod(ppo_core.rewards.verifiers)
     assert failures == 0 and tried >= 19
 
 

@@ -117,7 +117,7 @@ class Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, *, tools=None,
                             documents=None, chat_template=None, continue_final_message=False, **template_kwargs):
         """Render `messages` with the checkpoint's chat template exactly as transformers' apply_chat_template
-        (see ppo_core/chat_template.py) -> the text (tokenize=False) or its token ids, encoded without adding
+        (see ppo_core/models/chat_template.py) -> the text (tokenize=False) or its token ids, encoded without adding
         special tokens (transformers 5 returns a BatchEncoding by default; this returns list[int]). A list of
         conversations gives a list of results. template_kwargs reach the template (enable_thinking=False, ...)."""
         template = self.get_chat_template(chat_template, tools)

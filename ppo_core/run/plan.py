@@ -37,7 +37,7 @@ Model state, n = parameters of the role, G = GPUs:
 
 Training activations of one micro-batch: M sequences of T = P + R tokens per GPU, N = M T tokens,
 a = 2 (bf16 activations), f = 4 (the fp32 copy every norm makes), Dq = nh hs, Dkv = nkv hs. What autograd
-saves in this hand-written model (ppo_core/model.py), per block:
+saves in this hand-written model (ppo_core/models/model.py), per block:
       norms      2 N H (f + a_w) + 2 a N H    input copy in fp32 (+ the normalised x for the weight's grad,
                                               a_w = a, or 0 when the norm weight is frozen: LoRA, OLMo's LayerNorm)
                                               + the norm outputs, the inputs of q/k/v and of gate/up
@@ -67,7 +67,7 @@ saves in this hand-written model (ppo_core/model.py), per block:
   larger of the two, not the sum (the policy's alone without a critic).
 
 Packed micro-batches (the run's micro_batch_tokens > 0, or --micro-batch-tokens): every training and scoring pass
-runs on the real tokens of several sequences concatenated, at most the budget of them (ppo_core.packing), so N is
+runs on the real tokens of several sequences concatenated, at most the budget of them (ppo_core.data.packing), so N is
 the budget, not M T: N = max(budget, T), a sequence longer than the budget getting a micro-batch of its own. What
 changes in the terms above:
       attention  per sequence, torch's variable-length flash attention on a GPU: no mask and no [T, T] bias in any
@@ -95,7 +95,7 @@ default; --rollout-engine padded for ppo_core.generate):
              engine runs the rest as others finish, and preempts when the pool runs out: nothing fails).
   padded KV cache (--rollout-engine padded) = 2 (k and v) x B x nkv x hs x 2 bytes (bf16) x sum over layers of
              their slots: P + R for full attention, min(window, P + R) for a sliding-window layer (a ring): exactly
-             ppo_core.model.KVCache's tensors (+ its [B, P+R] mask, [B] counters and write slot).
+             ppo_core.models.model.KVCache's tensors (+ its [B, P+R] mask, [B] counters and write slot).
   generation working set, the larger of: prefill a b T (3 I + 2 H) + f b T H + (a + 1) b T^2 + 2 a b T Dq (the
              biggest block temporaries, the mask as bool and float bias, K and V repeated to nh heads; padded: the
              B left-padded prompts, b = B and T = P; paged: one prefill chunk, b = 1 and T = min(4096, B P)) and
@@ -139,10 +139,10 @@ import sys
 
 import torch
 
-from .model import CausalLM, CheckpointError, ModelArgs, ScoreModel, read_config
+from ..models.model import CausalLM, CheckpointError, ModelArgs, ScoreModel, read_config
 
 GB = 1e9
-DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo", "reverse-demo")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_OVERHEAD_BYTES = 1 * GB
 
@@ -232,7 +232,7 @@ def training_activations(args: ModelArgs, role, M, P, R, *, tokens=0, act=2, fp3
 
     The formulas of the module docstring; act = bytes of an activation, fp32 = bytes of the norms' float copy.
     tokens = 0: M padded rows of P + R tokens. tokens > 0: a packed micro-batch, M sequences whose real tokens,
-    `tokens` in all, run concatenated (ppo_core.packing) and whose response hidden states are laid out [M, R, H]
+    `tokens` in all, run concatenated (ppo_core.data.packing) and whose response hidden states are laid out [M, R, H]
     again for the policy's head. backend "torch" is what CPU tensors run: the chunked log-prob path and, packed,
     attention one sequence at a time, whose outputs are concatenated (a N Dq more per block than one kernel)."""
     H, I, L, hs = args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.head_dim
@@ -287,7 +287,7 @@ def training_activations(args: ModelArgs, role, M, P, R, *, tokens=0, act=2, fp3
 
 def paged_sequence_bytes(args: ModelArgs, length, kv_bytes=2, block_size=16) -> int:
     """KV bytes one sequence of `length` tokens holds in the paged engine's pool at most: whole blocks, and for a
-    sliding-window layer only the blocks its window spans (ppo_core.scheduler frees the others)."""
+    sliding-window layer only the blocks its window spans (ppo_core.engine.scheduler frees the others)."""
     blocks = -(-length // block_size)
     slots = sum(block_size * (blocks if w is None else min(blocks, -(-(w - 1) // block_size) + 1))
                 for w in args.sliding_windows)
@@ -295,7 +295,7 @@ def paged_sequence_bytes(args: ModelArgs, length, kv_bytes=2, block_size=16) -> 
 
 
 def kv_cache_bytes(args: ModelArgs, batch, max_len, kv_bytes=2) -> int:
-    """ppo_core.model.KVCache: k and v [L, B, nkv, P+R, hs] for full-attention layers and a ring of
+    """ppo_core.models.model.KVCache: k and v [L, B, nkv, P+R, hs] for full-attention layers and a ring of
     min(window, P+R) slots for sliding-window ones, the [B, P+R] bool mask, [B] int64 counters, the slot."""
     slots = sum(max_len if w is None else min(w, max_len) for w in args.sliding_windows)  # over layers
     elements = slots * batch * args.num_key_value_heads * args.head_dim
@@ -498,7 +498,7 @@ def check_run_fits(cfg, policy_path, prompt_len: int, processes: int, device):
     overhead, plus HOST_BYTES_PER_ROLLOUT_ROW a row, for every process on the machine against MemAvailable. The line
     says the estimate, the memory there is, and the keys that lower it. A model the planner cannot read is left to
     the loader's own message."""
-    from .config import rollout_rows, uses_critic  # here: the planner's command line does not need the trainer's config
+    from ..config import rollout_rows, uses_critic  # here: the planner's command line does not need the trainer's config
 
     available, where = available_memory(device)
     rows = rollout_rows(cfg)
@@ -526,7 +526,7 @@ def check_run_fits(cfg, policy_path, prompt_len: int, processes: int, device):
 
 
 def _cpu_kv_cache_gb():
-    from .engine import CPU_KV_CACHE_GB  # the engine's CPU pool budget (GiB), an upper bound
+    from ..engine.rollout_engine import CPU_KV_CACHE_GB  # the engine's CPU pool budget (GiB), an upper bound
 
     return CPU_KV_CACHE_GB
 
@@ -660,7 +660,7 @@ def main(argv=None):
                     activation_checkpointing=False, critic_free=False, rollout_engine="paged", kv_cache_gb=None)
     try:
         if args.config:
-            from .config import ConfigError, build_config, load_toml, rollout_rows, uses_critic
+            from ..config import ConfigError, build_config, load_toml, rollout_rows, uses_critic
             try:
                 run = build_config(load_toml(args.config), toml_path=args.config)
             except ConfigError as e:

@@ -27,7 +27,7 @@ parsers; an unfinished one (cut by max_new_tokens) has no verdict.
 An output with no verdict gets `unparsed_score` and counts in the metric "judge/unparsed". The judge's full output
 goes to the metric "judge/rationale" (a list of B str, not a tensor), for samples.jsonl.
 
-Templates: `template` is a path to a .jinja file or a shipped name ('pointwise', 'pairwise': ppo_core/judge_templates/);
+Templates: `template` is a path to a .jinja file or a shipped name ('pointwise', 'pairwise': ppo_core/rewards/judge_templates/);
 None = the judge checkpoint's own <mode>.jinja when it has one (the tiny demo judge does), else the shipped one.
 """
 import math
@@ -40,7 +40,7 @@ import jinja2.meta
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .rewards import RewardError
+from .interface import RewardError
 from .verifiers import extract_boxed, parse_number
 
 MODES = ("pointwise", "pairwise")
@@ -252,10 +252,10 @@ class JudgeReward:
     def __init__(self, path, mode, template=None, max_new_tokens=1024, unparsed_score=0.0, reference_column="reference",
                  chat_template=None, enable_thinking=False, greedy=True, temperature=1.0, batch_size=32,
                  device="cpu", dtype=None, seed=0, score_range=None, tie_score=0.5, engine="paged"):
-        from .engine import RolloutEngine
-        from .generate import generate
-        from .model import CheckpointError, load_model
-        from .tokenizer import load_tokenizer
+        from ..engine import RolloutEngine
+        from ..engine.generate import generate
+        from ..models.model import CheckpointError, load_model
+        from ..models.tokenizer import load_tokenizer
 
         if mode not in MODES:
             raise JudgeError(f"judge mode {mode!r}: expected 'pointwise' or 'pairwise'")

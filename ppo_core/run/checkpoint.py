@@ -42,8 +42,8 @@ import torch
 from safetensors.torch import save_file
 
 from . import distributed as dist
-from . import lora
-from .model import CheckpointError, read_safetensors
+from ..models import lora
+from ..models.model import CheckpointError, read_safetensors
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"

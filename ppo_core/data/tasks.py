@@ -22,7 +22,7 @@ The second built-in task, *arith*, is multi-digit addition and subtraction with 
 
 Operands have 2 or 3 digits (what the demo's 0.19M-parameter model learns in a few CPU minutes; longer
 operands are a change of ARITH_MAX_DIGITS); a subtraction puts the larger operand first, so answers are
-never negative. The answer is read as GSM8K writes it (the text after "####", see ppo_core/verifiers.py)
+never negative. The answer is read as GSM8K writes it (the text after "####", see ppo_core/rewards/verifiers.py)
 and must equal the true result as a number: all or nothing. Its shipped SFT checkpoint
 (`scripts/make_arith_checkpoint.py`) imitated a demonstrator that often forgets to carry (or to borrow),
 so it starts well below perfect.
@@ -31,7 +31,7 @@ import random
 import re
 import string
 
-from .verifiers import extract_gsm8k, numbers_equal
+from ..rewards.verifiers import extract_gsm8k, numbers_equal
 
 ALPHABET = string.ascii_lowercase
 SEPARATOR = "="
@@ -162,7 +162,7 @@ class PromptStream:
 
 # ---------------------------------------------------------------------------------------- toolmul
 # Multiply two 3-digit numbers: too hard for the demo's 0.2M-parameter model, easy with the calculator tool
-# (ppo_core.tools.Calculator) played by ppo_core.environments.ToolEnvironment, which scores the final answer against
+# (ppo_core.agents.tools.Calculator) played by ppo_core.agents.environments.ToolEnvironment, which scores the final answer against
 # the row's "answer" column by exact match. Its rows are {"prompt": "123*456", "answer": "56088"}: a task of rows,
 # not of prompt strings, so it has its own held-out set and stream beside eval_prompts and PromptStream.
 # Its shipped SFT checkpoint (`scripts/make_tool_checkpoint.py`) calls the tool only some of the time.

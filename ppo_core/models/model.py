@@ -394,7 +394,7 @@ def onednn_bf16_supported() -> bool:
 
 def can_pack_for_cpu(model) -> bool:
     """The oneDNN fast path applies: float32 weights on the CPU, a torch built with oneDNN, no LoRA adapters
-    (ppo_core.lora: the packed q/k/v and gate/up matmuls would bypass them), and, under bf16 autocast (where the
+    (ppo_core.models.lora: the packed q/k/v and gate/up matmuls would bypass them), and, under bf16 autocast (where the
     packed copies are bf16), a CPU on which oneDNN runs bf16 (`onednn_bf16_supported`): elsewhere autocast's
     F.linear computes the same bf16 products on torch's generic kernels. (No fp16 packing: nothing here uses it.)"""
     weight = next(model.parameters())
@@ -1059,7 +1059,7 @@ class Backbone(nn.Module):
         return self.norm(x)[0]
 
     def forward_packed(self, input_ids, positions, seq_lens):
-        """A packed batch, the training passes' forward without padding (ppo_core.packing): input_ids [N], the real
+        """A packed batch, the training passes' forward without padding (ppo_core.data.packing): input_ids [N], the real
         tokens of several sequences one after another; positions [N], each token's place in its own sequence (0 at
         its first token); seq_lens, their lengths (host ints). Attention stays within each sequence
         (packed_attention; sliding-window layers see their window). -> hidden [N, H]: row n equals what

@@ -53,7 +53,7 @@ from torch.profiler import record_function
 from ppo_kernels import backend
 from ppo_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
-from .distributed import is_sharded
+from ..run.distributed import is_sharded
 
 GRAPH_WARMUP = 2
 """Eager runs of a bucket's step on a side stream before its capture: nothing may be created lazily during a capture
@@ -73,7 +73,7 @@ def decode_bucket(n: int) -> int:
 
 
 def decode_only(step) -> bool:
-    """Whether a step (ppo_core.scheduler.Step) takes the static path: every chunk is one token and no block is
+    """Whether a step (ppo_core.engine.scheduler.Step) takes the static path: every chunk is one token and no block is
     copied (copy-on-write runs before attention, in the dynamic step only)."""
     return all(c.length == 1 for c in step.chunks) and not any(step.copies)
 

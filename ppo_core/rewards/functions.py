@@ -14,20 +14,37 @@ import traceback
 
 import torch
 
-from .rewards import RewardError
-from .tasks import arith_rewards, reverse_rewards
+from .interface import RewardError
+from ..data.tasks import arith_rewards, reverse_rewards
 
 TASK_REWARDS = {"reverse": reverse_rewards, "arith": arith_rewards}
 
 
+# Modules that moved into subpackages (issue 39): a spec naming the old module, 'ppo_core.<old>:function' in a config
+# written before the move, still loads, from the module's new place. No module is left at the old path.
+MOVED_MODULES = {
+    "model": "models.model", "tokenizer": "models.tokenizer", "chat_template": "models.chat_template",
+    "lora": "models.lora", "engine": "engine.rollout_engine", "scheduler": "engine.scheduler",
+    "kv_blocks": "engine.kv_blocks", "static_decode": "engine.static_decode", "generate": "engine.generate",
+    "rewards": "rewards.interface", "reward_source": "rewards.source", "reward_functions": "rewards.functions",
+    "reward_model": "rewards.reward_model", "judges": "rewards.judges", "remote_reward": "rewards.remote",
+    "reward_server": "rewards.server", "verifiers": "rewards.verifiers", "code_reward": "rewards.code_tests",
+    "environments": "agents.environments", "tools": "agents.tools", "sandbox": "agents.sandbox",
+    "prompts": "data.prompts", "tasks": "data.tasks", "packing": "data.packing", "distributed": "run.distributed",
+    "rollout_worker": "run.rollout_worker", "checkpoint": "run.checkpoint", "runlog": "run.runlog",
+    "tracking": "run.tracking", "plan": "run.plan", "precision": "run.precision",
+}
+
+
 def import_callable(spec: str, key: str = "reward_fn"):
     """'package.module:function' -> the function (the module may also be a path to a .py file); `key` is the config
-    key the spec came from, for the message.
+    key the spec came from, for the message. A spec naming a ppo_core module by its place before the move into
+    subpackages (a config written before it) loads the module from its new place (MOVED_MODULES).
 
     A user's file that does not import (a SyntaxError, an ImportError, any exception its top level raises) or lacks
     the name is a RewardError of one line naming the spec and the error, with `raised_at` ("FILE:LINE", where the file
     failed) and `traceback` (the full one), which ppo-train adds to its line and writes to DIR/error.log
-    (ppo_core.runlog.log_error), as for a reward function that raises while scoring."""
+    (ppo_core.run.runlog.log_error), as for a reward function that raises while scoring."""
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
@@ -37,7 +54,8 @@ def import_callable(spec: str, key: str = "reward_fn"):
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(module_name)
+            moved = MOVED_MODULES.get(module_name.removeprefix("ppo_core.")) if module_name.startswith("ppo_core.") else None
+            module = importlib.import_module(f"ppo_core.{moved}" if moved else module_name)
     except RewardError:
         raise
     except (Exception, SystemExit) as e:  # whatever the file's top level raises (SystemExit: a script's sys.exit())

@@ -9,10 +9,10 @@ What it does differently from `ppo_core.generate` (the plain padded reference, w
   group), sized by a byte budget for the call and freed when it returns (the update gets the memory back, and a
   cache of the old weights could not serve the next rollout anyway). A sequence holds the blocks its tokens fill, no
   more: no row is padded to the longest prompt or response.
-- Continuous batching (ppo_core.scheduler): every step computes, in ONE forward over a flat batch of tokens, the next
+- Continuous batching (ppo_core.engine.scheduler): every step computes, in ONE forward over a flat batch of tokens, the next
   token of every running sequence and a chunk of each prompt being prefilled; a sequence that ends leaves at once and
   a waiting one takes its place. When blocks run out the newest sequence is preempted and recomputed later.
-- Shared prefixes (ppo_core.kv_blocks): the n samples of a GRPO group, and prompts that share a system prompt, are
+- Shared prefixes (ppo_core.engine.kv_blocks): the n samples of a GRPO group, and prompts that share a system prompt, are
   prefilled once; the other samples find the blocks by their content.
 - Sampling noise is `counter_uniforms(seed, row, token index)`: a sequence's tokens do not depend on which
   sequences share its steps, on preemption, or on how the rows are split over processes (`rows`).
@@ -25,10 +25,10 @@ the blocks in place); on the CPU, each sequence's visible keys gathered into one
 a few sequences at a time once a step's keys and values pass GATHER_AT_ONCE_BYTES a layer (which would not stay in
 the CPU's caches), with the blocks that a group of sequences shares (the samples of one prompt) gathered once and
 attended by the group's queries together, merged by log-sum-exp (StepBatch.decode_plan). A prefill chunk runs fused
-SDPA (ppo_core.model.attention) over its gathered keys.
+SDPA (ppo_core.models.model.attention) over its gathered keys.
 
 Decode-only steps (every running sequence computes one token; no prefill chunk, no copy-on-write: most of a
-rollout's steps) take ppo_core.static_decode's path where `cuda_graphs` applies (CUDA, the Triton backend, a model
+rollout's steps) take ppo_core.engine.static_decode's path where `cuda_graphs` applies (CUDA, the Triton backend, a model
 that is not FSDP-sharded): fixed-shape buffers, rows padded to a power-of-two bucket, one CUDA graph per bucket,
 captured in the call and replayed. Elsewhere, and for every other step, the dynamic step below runs;
 static_decode=True runs the static path without graphs anywhere (the CPU tests compare the two).
@@ -48,7 +48,7 @@ from ppo_kernels import backend
 from ppo_kernels.paged_attention import paged_decode_attention
 
 from .generate import counter_uniforms, filter_logits, sample_from_probs
-from .model import CausalLM, attention, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
+from ..models.model import CausalLM, attention, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
 from .scheduler import Scheduler, Sequence
 from .static_decode import StaticDecode, graphs_unavailable, profiled
 
@@ -85,7 +85,7 @@ class RolloutEngine:
     max_num_seqs: sequences running at once at most; max_step_tokens: tokens computed in one step at most (prefill
     chunks; a decode token is never held back).
     cuda_graphs: on CUDA, replay each decode-only step as a CUDA graph, one per batch bucket, captured in the call
-    (ppo_core.static_decode); ignored on the CPU, and off for an FSDP-sharded model and PPO_KERNELS_BACKEND=torch
+    (ppo_core.engine.static_decode); ignored on the CPU, and off for an FSDP-sharded model and PPO_KERNELS_BACKEND=torch
     (stats['cuda_graphs'] says which and why).
     static_decode: run decode-only steps on the fixed-shape buffers the graphs replay; None = exactly when graphs
     are used; True without graphs (the CPU, cuda_graphs=False) runs them eagerly: the path the graphs capture.
@@ -158,7 +158,7 @@ class RolloutEngine:
         counter_uniforms(seed, rows[i], token index); rows defaults to 0..len(prompts)-1 (a process holding rows
         offset.. of a global batch passes their global numbers, and samples what one process would).
 
-        Multi-turn episodes (ppo_core.environments): on_turn_end(index, tokens after the prompt so far) is called when
+        Multi-turn episodes (ppo_core.agents.environments): on_turn_end(index, tokens after the prompt so far) is called when
         sequence `index` ends a turn (an EOS, or max_turn_tokens sampled in this turn) with room left in its
         max_new_tokens, and returns None (the episode is over: the sequence finishes), a list of token ids (an
         observation, appended now), or a concurrent.futures.Future of either (a tool still running: the sequence
@@ -188,7 +188,7 @@ class RolloutEngine:
         stop_ids = set([] if eos_token_id is None else
                        [int(i) for i in eos_token_id] if isinstance(eos_token_id, (list, tuple)) else [int(eos_token_id)])
         if device.type == "cpu" and autocast_dtype("cpu"):
-            cache_dtype = torch.float32  # CPU autocast attends in float32 (ppo_core.model.attention)
+            cache_dtype = torch.float32  # CPU autocast attends in float32 (ppo_core.models.model.attention)
         else:
             cache_dtype = autocast_dtype(device.type) or next(model.parameters()).dtype
 

@@ -1,7 +1,7 @@
 """Run code the policy writes: a child process with no network, none of the trainer's secrets, a private /tmp as
 its working directory, a read-only view of the rest of the machine, and limits on time, memory, processes, output.
 
-    from ppo_core.sandbox import run_code, SandboxPool
+    from ppo_core.agents.sandbox import run_code, SandboxPool
     result = run_code("print(sum(range(10)))")           # result.ok, result.stdout == "45\\n"
     result = run_code("print(input()[::-1])", stdin="abc", timeout_s=2.0, files={"data.txt": "1 2 3"})
     with SandboxPool(max_workers=8) as pool:              # tool calls alongside decoding
@@ -338,7 +338,7 @@ def _folders_to_hide(python: str) -> list[str]:
     imported from (the repository: its code, configs, run directories), each unless it would hide the interpreter,
     is /, holds or lies in /tmp, or lies in one already hidden."""
     home = os.path.expanduser("~")
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         cwd = os.getcwd()
     except OSError:  # a working directory deleted since: nothing there to hide
@@ -665,7 +665,7 @@ def modal_result(returncode: int | None, stdout: BoundedOutput, stderr: BoundedO
                          wall_s=wall_s, truncated=stdout.truncated or stderr.truncated, error=error)
 
 
-MODAL_RUNNER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "modal_sandbox.py")
+MODAL_RUNNER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "modal_sandbox.py")
 
 
 def _run_modal(code: str, stdin: bytes, timeout_s: float, memory_mb: int, files: dict[str, bytes]) -> SandboxResult:

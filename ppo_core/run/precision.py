@@ -6,7 +6,7 @@ computes each head's log-probs and loss (`loss_paths`). The run's first lines sa
         ...
 
 dtype='auto' turns on bf16 autocast where bf16 matmuls are fast (`bf16_matmul_hardware`: a GPU, or an x86 CPU whose
-oneDNN runs AMX or AVX512-BF16); ppo-train and ppo-serve-reward (ppo_core.reward_server) resolve it alike.
+oneDNN runs AMX or AVX512-BF16); ppo-train and ppo-serve-reward (ppo_core.rewards.server) resolve it alike.
 """
 import contextlib
 import dataclasses
@@ -15,9 +15,9 @@ import torch
 
 import ppo_kernels
 
-from . import algo
-from .config import ConfigError, PPOConfig, uses_critic
-from .model import onednn_bf16_supported
+from .. import algo
+from ..config import ConfigError, PPOConfig, uses_critic
+from ..models.model import onednn_bf16_supported
 
 
 def bf16_matmul_hardware(device) -> str:

@@ -25,12 +25,12 @@ torch.no_grad(): with gradient checkpointing, a backward outside the block would
 Names: the base keeps its Hugging Face names (`model.layers.0.self_attn.q_proj.weight`), the adapters sit beside
 it (`...q_proj.lora_A`, `...q_proj.lora_B`), so the base still loads and saves by HF names and
 `lora_state_dict` holds only the adapter tensors. Adapters are float32 whatever the base's dtype (the trainable
-parameters are fp32 master weights, as ppo_core/plan.py counts them); the forward casts them to the input's
+parameters are fp32 master weights, as ppo_core/run/plan.py counts them); the forward casts them to the input's
 dtype, so no float32 copy of the activations is made or saved.
 
 What the caller must know:
   - `model.cpu_packed_linears` fuses q/k/v and gate/up into one packed matmul that never calls the adapted
-    modules; while `has_lora(model)`, do not pack (ppo_core.model.can_pack_for_cpu should return False).
+    modules; while `has_lora(model)`, do not pack (ppo_core.models.model.can_pack_for_cpu should return False).
   - `model.save_pretrained` of an adapted model writes the un-merged base plus lora_* tensors, which
     transformers ignores (and so does load_model): export with `save_merged` or `merge_lora`.
   - A ScoreModel's `score_head` stays trainable (a critic initialised from a policy starts with a new head
@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .model import Linear, PretrainedMixin, ScoreModel
-from .plan import LORA_TARGETS
+from ..run.plan import LORA_TARGETS
 
 
 class LoRALinear(Linear):
@@ -98,7 +98,7 @@ def _replace(model, name, module):
 def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS, dropout: float = 0.0, *,
              trainable_extra=None, dtype=torch.float32, generator=None):
     """Freeze every parameter of `model` and put a rank-`rank` adapter on each Linear whose name ends in one of
-    `targets` (default: q/k/v/o and gate/up/down of every block, ppo_core.plan.LORA_TARGETS). In place;
+    `targets` (default: q/k/v/o and gate/up/down of every block, ppo_core.run.plan.LORA_TARGETS). In place;
     returns the model.
 
     alpha: the update is scaled by alpha / rank; None means alpha = rank (scale 1).
@@ -143,7 +143,7 @@ def has_lora(model) -> bool:
 
 
 def count_lora_parameters(model) -> int:
-    """Adapter parameters: sum of r (in + out) over the adapted projections (ppo_core.plan's `lora`)."""
+    """Adapter parameters: sum of r (in + out) over the adapted projections (ppo_core.run.plan's `lora`)."""
     return sum(m.lora_A.numel() + m.lora_B.numel() for _, m in _lora_modules(model))
 
 

@@ -3,12 +3,12 @@
     bins = token_budget_micro_batches(rows, lengths, cfg.micro_batch_tokens)  # lists of rows, each <= the budget
     shares = balanced_split(rows, lengths, world)                            # one list of rows per process
     pack = pack_rows(input_ids[rows], host_mask[rows], prompt_len)           # the rows' real tokens, one after another
-    hidden = model(pack.input_ids, packed=pack.args)                         # [N, H] (ppo_core.model.forward_packed)
+    hidden = model(pack.input_ids, packed=pack.args)                         # [N, H] (ppo_core.models.model.forward_packed)
     hidden_responses = unpack_rows(hidden, pack.response_index)             # [b, R, H], what the padded heads read
 
 The experience stays padded ([B, P+R] tokens, [B, R] per-token tensors: ppo_core.rollout) and so does every piece of
 math on it (ppo_core.algo); only the model's forward runs packed: the rows' real tokens concatenated, positions
-restarting at 0 for each row, attention within each row (ppo_core.model.packed_attention). The hidden states that
+restarting at 0 for each row, attention within each row (ppo_core.models.model.packed_attention). The hidden states that
 predict the response tokens are then laid out as the padded heads read them, zeros where a row has no token, so the
 log-prob and loss heads, and every loss_agg mode, are unchanged; the fused heads compute only rows that are in the
 loss (ppo_kernels skips label -100 and weight-0 rows), the reference heads only rows with a label (rollout).

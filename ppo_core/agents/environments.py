@@ -28,7 +28,7 @@ incrementally with thinking on (the policy writes its <think> block and the temp
 last user query with it); with enable_thinking=False its generation prompt holds an empty <think></think> that the
 re-rendered history drops, and the episode is refused (tests/test_environments.py shows both).
 
-Shipped: ToolEnvironment, which answers the policy's tool calls (ppo_core.tools: a calculator, a Python runner in the
+Shipped: ToolEnvironment, which answers the policy's tool calls (ppo_core.agents.tools: a calculator, a Python runner in the
 sandbox) until it answers without one, and scores that answer against a column of the row.
 """
 import functools
@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .reward_functions import import_callable
+from ..rewards.functions import import_callable
 from .tools import (MAX_CALLS_PER_TURN, TOOL_CALL_END, TOOL_CALL_START, Calculator, PythonTool, run_tool_calls,
                     tool_messages, tool_schemas)
 
@@ -145,7 +145,7 @@ def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_tu
 
 
 class EpisodeRewards:
-    """The run's reward source when an environment scores its episodes (ppo_core.reward_source): nothing to check,
+    """The run's reward source when an environment scores its episodes (ppo_core.rewards.source): nothing to check,
     nothing to call (ppo_core.rollout.play_episodes takes the episodes' rewards)."""
 
     def check_columns(self, names):
@@ -156,14 +156,14 @@ class EpisodeRewards:
 
 
 class ToolEnvironment:
-    """Tools until an answer: each turn's <tool_call> blocks are run (ppo_core.tools.run_tool_calls) and their outputs
+    """Tools until an answer: each turn's <tool_call> blocks are run (ppo_core.agents.tools.run_tool_calls) and their outputs
     come back as `tool` messages (reward 0); a turn without a tool call is the answer, scored 1.0 when, stripped, it
     equals str(row[answer_column]) stripped, else 0.0, and the episode ends. tools: {name: tool}; pass
-    ppo_core.tools.tool_schemas(tools.values()) to run_episodes' `tools` so the template shows them to the policy.
+    ppo_core.agents.tools.tool_schemas(tools.values()) to run_episodes' `tools` so the template shows them to the policy.
     `counts` sums run_tool_calls' counts over the episode (tool calls, malformed calls, tool errors, calls not run)
     and the seconds its tools ran (tool_s: the sandbox's, for the Python tool). max_tool_calls_per_turn: the calls run
     in one turn; the rest are answered with one line saying they were not run. Whatever the turn's text, step
-    returns: its tool calls are data (ppo_core.tools never raises on them)."""
+    returns: its tool calls are data (ppo_core.agents.tools never raises on them)."""
 
     def __init__(self, tools: dict, max_turns=4, answer_column="answer", system_prompt=None,
                  max_tool_calls_per_turn=MAX_CALLS_PER_TURN):
@@ -189,7 +189,7 @@ class ToolEnvironment:
 
 
 def make_tools(names: str) -> dict:
-    """'calculator,python' -> {name: tool} (ppo_core.tools)."""
+    """'calculator,python' -> {name: tool} (ppo_core.agents.tools)."""
     known = {"calculator": Calculator, "python": PythonTool}
     tools = {}
     for name in filter(None, (n.strip() for n in names.split(","))):

@@ -14,7 +14,7 @@ to answer with one block per call,
 
 and renders each {"role": "tool"} message as a <tool_response> block inside a user turn. A turn ends at the template's
 end of turn (its EOS), as Qwen3 ends a turn of tool calls right after the last TOOL_CALL_END
-(ppo_core.environments); the environment then runs the calls and the policy reads their answers in its next turn.
+(ppo_core.agents.environments); the environment then runs the calls and the policy reads their answers in its next turn.
 
 The text is the policy's, and in RL the policy writes whatever it is rewarded for: nothing it writes raises here. A
 block's JSON is decoded within MAX_CALL_BYTES and MAX_JSON_DEPTH, any failure is a MalformedCall answered with its
@@ -339,10 +339,10 @@ class Calculator:
 
 
 class PythonTool:
-    """Runs the model's Python code in the sandbox (ppo_core.sandbox.run_code: its own process, no network, no
+    """Runs the model's Python code in the sandbox (ppo_core.agents.sandbox.run_code: its own process, no network, no
     trainer environment, rlimits, a wall-clock timeout) and answers with what it printed.
 
-    pool: a ppo_core.sandbox.SandboxPool, or None to call run_code directly; a pool bounds how many sandboxes run at
+    pool: a ppo_core.agents.sandbox.SandboxPool, or None to call run_code directly; a pool bounds how many sandboxes run at
     once when many episodes call the tool from their own threads. timeout_s, memory_mb: the sandbox's limits.
     max_chars: the observation's length bound; a longer one keeps its head and tail (a traceback's last line is the
     one that says what went wrong) with the number of characters cut in between.

@@ -35,7 +35,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .model import CausalLM, KVCache, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
+from ..models.model import CausalLM, KVCache, autocast_dtype, can_pack_for_cpu, cpu_packed_linears
 
 
 def sample_from_probs(probs, uniforms):

@@ -4,15 +4,15 @@ RewardModelReward: each prompt + response is rendered (with the reward model's o
 is on, with the run's `enable_thinking`), tokenized with the reward model's tokenizer, and scored at its last real token
 by a *ForSequenceClassification checkpoint, as transformers computes it: right-padded in batches of `batch_size`, or,
 with cfg.micro_batch_tokens > 0, packed without padding into micro-batches of at most that many tokens
-(ppo_core.packing). No metrics.
+(ppo_core.data.packing). No metrics.
 """
 import torch
 
-from . import distributed as dist
-from .model import load_reward_model
-from .packing import token_budget_micro_batches
-from .rewards import RewardError, clip_text
-from .tokenizer import load_tokenizer
+from ..run import distributed as dist
+from ..models.model import load_reward_model
+from ..data.packing import token_budget_micro_batches
+from .interface import RewardError, clip_text
+from ..models.tokenizer import load_tokenizer
 
 
 class RewardModelReward:

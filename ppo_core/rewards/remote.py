@@ -4,7 +4,7 @@
     PPO_REWARD_API_KEY=... ppo-train --reward_url http://rm-host:8000 ...                    # the trainer
 
 RemoteReward is called as every reward source is (ppo_core.rewards): scores, metrics = source(prompts, responses,
-columns). It POSTs OpenRLHF's remote reward request (the exact protocol: ppo_core.reward_server) and reads the
+columns). It POSTs OpenRLHF's remote reward request (the exact protocol: ppo_core.rewards.server) and reads the
 answer back with the checks a local reward function gets.
 
 Credentials: the server's shared key from the environment variable PPO_REWARD_API_KEY, sent as
@@ -47,11 +47,11 @@ import urllib.parse
 
 import torch
 
-from .rewards import CallableReward, RewardError
+from .interface import CallableReward, RewardError
 
-# The request's own fields (ppo_core.reward_server); a prompt column of one of these names cannot be sent.
+# The request's own fields (ppo_core.rewards.server); a prompt column of one of these names cannot be sent.
 PROTOCOL_FIELDS = ("query", "prompts", "responses", "labels")
-API_KEY_ENV = "PPO_REWARD_API_KEY"  # the reward server's shared key, on both sides (ppo_core.reward_server)
+API_KEY_ENV = "PPO_REWARD_API_KEY"  # the reward server's shared key, on both sides (ppo_core.rewards.server)
 MAX_ANSWER_BYTES = 64 << 20
 """The longest answer read (64 MiB: a score is ~20 bytes, a judge's rationale a few KB a sample)."""
 
@@ -368,7 +368,7 @@ def _raise_everywhere(failure):
         if failure is not None:
             raise failure
         return
-    from . import distributed as dist
+    from ..run import distributed as dist
 
     flag = 0 if failure is None else (2 if isinstance(failure, RewardUnavailable) else 1)
     worst = dist.all_reduce_max_int(flag)

@@ -3,7 +3,7 @@
     export PPO_REWARD_API_KEY=$(python -c "import secrets; print(secrets.token_urlsafe(32))")   # both sides
     ppo-serve-reward --host 0.0.0.0 --port 8000 --reward_model ~/models/skywork-rm --dtype bfloat16
     ppo-serve-reward --port 8000 --reward_fn my_rewards.py:score --max_batch 512
-    ppo-train --reward_url http://rm-host:8000 ...           # the trainer's side: ppo_core.remote_reward
+    ppo-train --reward_url http://rm-host:8000 ...           # the trainer's side: ppo_core.rewards.remote
 
 The reward source is chosen with ppo-train's own options and config file (--config FILE.toml, --task, --reward_fn,
 --reward_weights, --reward_model, --chat_template, --enable_thinking, --device, --dtype, --threads; every other key
@@ -80,18 +80,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from .config import ConfigError, build_config, load_toml, parse_cli
-from .model import CheckpointError
-from .precision import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
-from .remote_reward import API_KEY_ENV, DeadlineReader
-from .reward_source import make_reward_source
-from .rewards import RewardError
+from ..config import ConfigError, build_config, load_toml, parse_cli
+from ..models.model import CheckpointError
+from ..run.precision import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
+from .remote import API_KEY_ENV, DeadlineReader
+from .source import make_reward_source
+from .interface import RewardError
 
 USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--api_key KEY] [--max_body_mb M]
                         [--max_rows R] [--timeout_s S] [--max_connections C] [--config FILE.toml] [--KEY=VALUE ...]
 
 Serves the reward source that ppo-train would build from the same options (--task, --reward_fn, --reward_model, ...)
-over HTTP, with OpenRLHF's remote reward protocol (see ppo_core/reward_server.py). Point ppo-train at it with
+over HTTP, with OpenRLHF's remote reward protocol (see ppo_core/rewards/server.py). Point ppo-train at it with
 --reward_url http://H:P."""
 # the server's own options, as text (the defaults: the module docstring); api_key defaults to $PPO_REWARD_API_KEY
 SERVER_OPTIONS = {"host": "127.0.0.1", "port": "8000", "max_batch": "256", "api_key": None, "max_body_mb": "128",
@@ -250,7 +250,7 @@ class Batcher:
 
 def describe(cfg) -> str:
     """What scores, in words, for the ready line and /health."""
-    if getattr(cfg, "judge", ""):  # a generative judge (ppo_core.judges), once the config has the key
+    if getattr(cfg, "judge", ""):  # a generative judge (ppo_core.rewards.judges), once the config has the key
         return f"judge {cfg.judge}"
     if cfg.reward_model:
         return f"reward model {cfg.reward_model}"

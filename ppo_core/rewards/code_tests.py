@@ -1,11 +1,11 @@
 """A code reward: the response's code run against the prompt row's tests in the sandbox, scored as the fraction passed.
 
-    ppo-train --prompts_file coding.jsonl --reward_fn ppo_core.code_reward:code_tests
+    ppo-train --prompts_file coding.jsonl --reward_fn ppo_core.rewards.code_tests:code_tests
     # coding.jsonl: {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]}
 
 The response's code is its last ```python (or ```py, or bare ```) fenced block, else the whole response. The row's
 `tests` column is a string of test code (one test) or a list of such strings (one test each; a string holding a JSON
-array of strings counts as that list). Each test is one sandbox run (ppo_core.sandbox.run_code: no network, none of
+array of strings counts as that list). Each test is one sandbox run (ppo_core.agents.sandbox.run_code: no network, none of
 the trainer's environment variables, rlimits, a wall-clock timeout): the code is written to `solution.py`, and the
 program run is
 
@@ -26,7 +26,7 @@ The reward is passed / tests, in [0, 1]. Metrics, per response (logged as reward
 tests_passed, tests_timed_out, no_code_block (1 when the whole response was run), sandbox_s (wall seconds of its runs).
 Other limits: CodeTests(timeout_s=..., memory_mb=..., max_workers=...) in a reward file of your own,
 
-    from ppo_core.code_reward import CodeTests
+    from ppo_core.rewards.code_tests import CodeTests
     code_tests_strict = CodeTests(timeout_s=1.0)       # --reward_fn my_rewards.py:code_tests_strict
 """
 import json
@@ -35,8 +35,8 @@ import re
 import secrets
 
 # Imported by the package's absolute name, so that this file also loads by its path
-# (--reward_fn=ppo_core/code_reward.py:code_tests), where a relative import has no package to be relative to.
-from ppo_core.sandbox import SETUP_FAILED, SandboxPool
+# (--reward_fn=ppo_core/rewards/code_tests.py:code_tests), where a relative import has no package to be relative to.
+from ppo_core.agents.sandbox import SETUP_FAILED, SandboxPool
 
 # ``` then an optional python / python3 / py tag, the rest of the fence line blank, the code, the closing ```
 _FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

@@ -63,7 +63,7 @@ def init(device_kind: str, roles=False):
 
 
 def split_roles(rollout_ranks: int) -> str:
-    """With rollout workers (config rollout_ranks): the last `rollout_ranks` processes roll out (ppo_core.rollout_worker)
+    """With rollout workers (config rollout_ranks): the last `rollout_ranks` processes roll out (ppo_core.run.rollout_worker)
     and the others train, each role in a process group of its own, which every helper here then works within (a
     trainer's world_size() counts the trainers); a third group, the first trainer and the workers, carries the
     weights (weights_group). Every process calls it, once, after init. -> "train" or "rollout"."""

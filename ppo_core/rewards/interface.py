@@ -10,9 +10,9 @@ Every reward source is called the same way:
         metrics:            {name: [B] float32}, per-sample values the loop logs as batch means
 
 and has check_columns(names), a RewardError when it needs a prompt column that `names` lacks. The sources, each in
-its own file: reward functions (ppo_core.reward_functions), a reward model checkpoint (ppo_core.reward_model), a
-generative judge (ppo_core.judges), reward servers over HTTP (ppo_core.remote_reward). Which one a run uses is
-chosen from its config by ppo_core.reward_source.make_reward_source, above them all.
+its own file: reward functions (ppo_core.rewards.functions), a reward model checkpoint (ppo_core.rewards.reward_model), a
+generative judge (ppo_core.rewards.judges), reward servers over HTTP (ppo_core.rewards.remote). Which one a run uses is
+chosen from its config by ppo_core.rewards.source.make_reward_source, above them all.
 
 A reward function takes the prompts and responses as its first two parameters, and any extra column as a keyword
 argument, one list per column, when its signature names it (or every column, with **kwargs):
@@ -27,7 +27,7 @@ response. Anything else is a RewardError of one line naming the function, the sa
 what was returned; so is a function that raises, naming the first sample it raises on alone. That error also carries
 where the function raised, `error.raised_at` ("FILE:LINE in FUNCTION", the innermost frame in the function's own file),
 and the full traceback, `error.traceback`: ppo-train adds the first to its error line and appends the second to the
-run directory's error.log (ppo_core.runlog.log_error).
+run directory's error.log (ppo_core.run.runlog.log_error).
 """
 import inspect
 import math

@@ -26,7 +26,7 @@ import torch
 
 from . import checkpoint
 from . import distributed as dist
-from .config import PPOConfig, to_dict
+from ..config import PPOConfig, to_dict
 
 
 class RunDirError(RuntimeError):
@@ -34,7 +34,7 @@ class RunDirError(RuntimeError):
 
 
 def is_rank0():
-    """The first process of this role (the trainers': ppo_core.distributed.split_roles)."""
+    """The first process of this role (the trainers': ppo_core.run.distributed.split_roles)."""
     return dist.rank() == 0
 
 
@@ -72,9 +72,9 @@ URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")  # a URL inside
 
 def redact_secrets(value):
     """A config value, command-line word, or a list or dict of them, with every URL's credentials (user:password@,
-    the values of key=, token=, api_key=, ...) replaced by *** (remote_reward.redact_url): what a run directory and a
+    the values of key=, token=, api_key=, ...) replaced by *** (rewards.remote.redact_url): what a run directory and a
     tracker may keep. A resume takes the credential again from the command line or the environment, never from here."""
-    from .remote_reward import redact_url  # here, not at the top: the reward client's imports are not the log's
+    from ..rewards.remote import redact_url  # here, not at the top: the reward client's imports are not the log's
     if isinstance(value, str):
         return URL_IN_TEXT.sub(lambda m: redact_url(m.group()), value) if "://" in value else value
     if isinstance(value, (list, tuple)):
@@ -309,7 +309,7 @@ class StopSignals:
     terminationGracePeriodSeconds default to 30 s, `docker stop` 10 s, `timeout` never unless given -k). The run stops
     at the end of the iteration in flight if it ends within stop_grace_s, with a checkpoint of it; else it is abandoned
     then, exit 143 with the line of StopRequested. A SIGKILL that comes first still leaves the last checkpoint
-    intact (saves are atomic: ppo_core.checkpoint), only without that line. With several processes each abandons on
+    intact (saves are atomic: ppo_core.run.checkpoint), only without that line. With several processes each abandons on
     its own signal; one blocked in a collective waits for it (or for the SIGKILL)."""
 
     def __init__(self, grace_s: float = 0.0):
@@ -372,7 +372,7 @@ _open_run_dir = None
 
 def log_error(error: BaseException, run_path=None) -> str:
     """The error's one line for the user, after the full traceback it may carry (`error.traceback`, set by
-    ppo_core.rewards when a reward function raised, and by reward_functions.import_callable when a user's file did not
+    ppo_core.rewards when a reward function raised, and by rewards.functions.import_callable when a user's file did not
     import) went to DIR/error.log (appended, after the time and the line; earlier entries are kept). DIR: the run
     directory of the Logger open, else `run_path`, the directory the run would have written (created for it: an error
     found before the run directory was opened). The line is str(error), then "; raised at FILE:LINE[ in FUNCTION]"

@@ -3,22 +3,22 @@
     source = make_reward_source(cfg, device, dtype)
     scores, metrics = source(prompts, responses, columns)      # the interface: ppo_core.rewards
 
-It stands above the sources (ppo_core.reward_functions, reward_model, judges, remote_reward), which know nothing of
-one another; ppo-train (ppo_core.train) and ppo-serve-reward (ppo_core.reward_server) build theirs here.
+It stands above the sources (ppo_core.rewards.functions, reward_model, judges, remote_reward), which know nothing of
+one another; ppo-train (ppo_core.train) and ppo-serve-reward (ppo_core.rewards.server) build theirs here.
 """
-from .environments import EpisodeRewards
+from ..agents.environments import EpisodeRewards
 from .judges import JudgeReward
-from .remote_reward import RemoteReward
-from .reward_functions import TASK_REWARDS, WeightedReward, import_callable, metric_names
+from .remote import RemoteReward
+from .functions import TASK_REWARDS, WeightedReward, import_callable, metric_names
 from .reward_model import RewardModelReward
-from .rewards import CallableReward
+from .interface import CallableReward
 
 
 def make_reward_source(cfg, device="cpu", dtype=None):
     """The run's reward source: the reward model (cfg.reward_model), else the reward functions (cfg.reward_fn, a list)
     weighted by cfg.reward_weights (empty = 1.0 each), else the built-in task's reward, as a WeightedReward of one;
-    with cfg.reward_url, the reward servers at those URLs (ppo_core.remote_reward); with cfg.judge, a generative judge
-    (ppo_core.judges); with cfg.environment, none: the episodes score themselves (ppo_core.environments)."""
+    with cfg.reward_url, the reward servers at those URLs (ppo_core.rewards.remote); with cfg.judge, a generative judge
+    (ppo_core.rewards.judges); with cfg.environment, none: the episodes score themselves (ppo_core.agents.environments)."""
     if cfg.environment:
         return EpisodeRewards()
     if cfg.reward_url:

@@ -6,7 +6,7 @@ Each step (one forward of the model over a flat batch of tokens, ppo_core.engine
      where a pool has no free block it preempts the most recently admitted sequence (its blocks are freed; it waits
      at the head of the queue and is recomputed from its tokens when admitted again: nothing is lost);
   2. admits waiting sequences, in order, while the step's token budget, `max_num_seqs` and the free blocks allow.
-     An admitted sequence first looks its tokens up in the pools (ppo_core.kv_blocks): the blocks of a prefix already
+     An admitted sequence first looks its tokens up in the pools (ppo_core.engine.kv_blocks): the blocks of a prefix already
      computed (the other samples of a GRPO group, a shared system prompt, its own blocks before a preemption) are
      shared, not recomputed. At least its last token is always computed (its logits give the next token); when that
      token falls inside a shared block, the block is copied first (copy-on-write: the sequence gets its own block with
@@ -32,13 +32,13 @@ class Sequence:
     """One prompt's generation."""
 
     index: int  # its place among the call's prompts (the order of the results)
-    row: int  # its row of sampling noise (ppo_core.generate.counter_uniforms)
+    row: int  # its row of sampling noise (ppo_core.engine.generate.counter_uniforms)
     tokens: list  # the prompt, then each token generated
     prompt_len: int
     max_new: int
     num_computed: int = 0  # tokens[:num_computed] have their keys and values in the cache
     tables: list = field(default_factory=list)  # per layer group: block table (-1 = released, out of the window)
-    keys: list = field(default_factory=list)  # prefix keys of its full blocks, in order (ppo_core.kv_blocks)
+    keys: list = field(default_factory=list)  # prefix keys of its full blocks, in order (ppo_core.engine.kv_blocks)
     logprobs: list = field(default_factory=list)
     entropy: list = field(default_factory=list)
     mask: list = field(default_factory=list)  # per token after the prompt: 1 sampled, 0 appended (an observation)
