@@ -25,8 +25,8 @@ plus the variant's settings, plus the extra args after `--`, the same for every 
 
 Writes, in OUT:
   compare.md     the environment, the command, and a table of held-out reward before / after (sampled and greedy),
-                 final KL, time and throughput per variant ("mean ± std" over seeds, std with Bessel's correction),
-                 with one row per run below it
+                 final KL, time and throughput per variant ("mean ± std" over seeds, std with Bessel's correction;
+                 "(n = 1)" for one seed), with one row per run below it
   compare.json   all those numbers (per variant, under "estimators" and with its "settings", and per run)
   compare.png    rollout reward and KL against iteration: the seed mean per variant and a min..max band over seeds
                  (needs matplotlib, `pip install -e ".[plot]"`; without it compare.md and compare.json are still written)
@@ -330,11 +330,13 @@ def environment():
 
 
 def fmt(stat, digits=4):
-    """'mean ± std' of a mean_std dict ('± 0' for one seed), '-' for none."""
+    """'mean ± std' of a mean_std dict, 'value (n = 1)' for one seed (a spread of one run is unknown, not 0), '-' for
+    none."""
     if stat is None:
         return "-"
-    std = f"{stat['std']:.{digits}f}" if stat["n"] > 1 else "0"
-    return f"{stat['mean']:.{digits}f} ± {std}"
+    if stat["n"] == 1:
+        return f"{stat['mean']:.{digits}f} (n = 1)"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
 def write_markdown(path, report, runs):
@@ -345,7 +347,8 @@ def write_markdown(path, report, runs):
         f"total wall time {report['total_wall_s']:.1f} s",
         "",
         f"{report['samples_per_iteration']} responses sampled per iteration by every run; held-out reward on the task's "
-        f"evaluation prompts before and after training; mean ± std over seeds (Bessel's correction); time: the run's "
+        f"evaluation prompts before and after training; mean ± std over seeds (Bessel's correction), (n = 1) where "
+        f"one seed ran; time: the run's "
         f"time/total_s; headroom closed: (after - before) / ({report['max_reward']:g} - before), sampled reward.",
         "",
         f"| {column} | prompts x responses | reward before (sampled) | after (sampled) | before (greedy) "

@@ -104,7 +104,7 @@ def test_without_matplotlib_still_writes_the_report(tmp_path):
     assert not (out / "compare.png").exists()
     md = (out / "compare.md").read_text()
     s = read_json(out / "reinforce_pp-seed0" / "summary.json")
-    assert f"| reinforce_pp | 8 x 1 | {s['eval/reward_before']:.4f} ± 0 |" in md  # one seed: "± 0"
+    assert f"| reinforce_pp | 8 x 1 | {s['eval/reward_before']:.4f} (n = 1) |" in md  # one seed: no spread claimed
     assert read_json(out / "compare.json")["estimators"]["reinforce_pp"]["reward_after"] == {
         "mean": s["eval/reward_after"], "std": 0.0, "n": 1}
 
@@ -173,8 +173,8 @@ def test_vary_a_loss_setting_from_one_initialisation(tmp_path):
         config = read_json(run_dir / "config.json")["config"]
         assert (config["policy_loss_kind"], config["adv_estimator"], config["n_samples_per_prompt"]) == (kind, "grpo", 4)
         s = read_json(run_dir / "summary.json")
-        assert md.count(f"\n| grpo policy_loss_kind={kind} | 2 x 4 | {s['eval/reward_before']:.4f} ± 0 "
-                        f"| {s['eval/reward_after']:.4f} ± 0 |") == 1
+        assert md.count(f"\n| grpo policy_loss_kind={kind} | 2 x 4 | {s['eval/reward_before']:.4f} (n = 1) "
+                        f"| {s['eval/reward_after']:.4f} (n = 1) |") == 1
         row = report["estimators"][f"grpo policy_loss_kind={kind}"]
         assert row["settings"] == {"adv_estimator": "grpo", "policy_loss_kind": kind}
         assert row["reward_after"] == {"mean": s["eval/reward_after"], "std": 0.0, "n": 1}
