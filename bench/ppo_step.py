@@ -44,7 +44,7 @@ from ppo_core.models import model as ppo_model  # noqa: E402
 from ppo_core.run import runlog
 from ppo_core import train  # noqa: E402
 from ppo_core.rollout import response_logprobs, response_values  # noqa: E402
-from ppo_core.update import policy_objective  # noqa: E402
+from ppo_core.update import MicroBatch, policy_objective  # noqa: E402
 from ppo_core.config import PPOConfig  # noqa: E402
 from generate import random_model  # noqa: E402  (bench/generate.py: this script's folder is on sys.path)
 
@@ -213,7 +213,9 @@ def attention_passes(ckpt, device, batch, prompt_len, new):
         agg = dict(agg=cfg.loss_agg, num_tokens=response_mask.sum(), num_seqs=torch.tensor(float(batch), device=device))
         try:
             with autocast():
-                loss, *_ = policy_objective(policy, ids, am, response_mask, old, adv, old, P, cfg, 0.0, agg)
+                batch = MicroBatch(input_ids=ids, attention_mask=am, response_mask=response_mask, prompt_len=P,
+                                   old_logprobs=old, advantages=adv, ref_logprobs=old)
+                loss, *_ = policy_objective(policy, batch, cfg, 0.0, agg)
             loss.backward()
             with autocast():
                 values = response_values(critic, ids, am, P).float()

@@ -6,22 +6,27 @@ them (old and reference log-probs, entropy, values). The loop (ppo_core.train) t
     rollout.old_logprobs, rollout.ref_logprobs, rollout.old_values      # [B, R] float32, 0 after each response
     rollout.scores, rollout.group                                       # [B]: the reward, the prompt's index
 
-  forward:   response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs, response_values;
-             the update (ppo_core.update) runs the same heads, so the first minibatch's ratio is 1 up to the order of
-             a log-sum-exp. rollout_forward runs them over a Sampled batch in micro-batches -> Rollout (padded
-             ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens: ppo_core.data.packing)
-  prompts:   render_prompt, prompt_token_ids, encode_prompts: the token ids the policy sees, left-padded
-  sampling:  sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate), then sample_and_score (the reward source
-             scores them) -> Sampled; with_reference_responses for a pairwise judge; play_episodes for multi-turn
-             episodes (cfg.environment, ppo_core.agents.environments), scored by their environments; sampled_state /
-             sampled_from_state carry a Sampled through a checkpoint or to a trainer (ppo_core.run.rollout_worker)
   iteration: iteration_rollout: rollout_batch_size prompts x n_samples_per_prompt, this process's rows of the
              global batch; with filter_groups, DAPO's group filter over batches gathered from every process
              (gather_sampled, select_sampled)
+  forward:   rollout_forward runs response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs
+             and response_values over a Sampled batch in micro-batches -> Rollout (padded ones of micro_batch_size
+             rows, or packed ones of micro_batch_tokens tokens: ppo_core.data.packing); the update (ppo_core.update)
+             runs the same heads, so the first minibatch's ratio is 1 up to the order of a log-sum-exp
   evaluate:  the mean reward over held-out prompts
+  prompts:   prompt_token_ids, render_prompt, encode_prompts: the token ids the policy sees, left-padded;
+             with_reference_responses for a pairwise judge
+  sampling:  sample_and_score: sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate),
+             scored by the reward source -> Sampled; play_episodes for multi-turn episodes (cfg.environment,
+             ppo_core.agents.environments), scored by their environments
+  state:     sampled_state / sampled_from_state carry a Sampled through a checkpoint or to a trainer
+             (ppo_core.run.rollout_worker); sample_rows is what samples.jsonl shows
+The file reads in that order: the entry points first, then what they call, in the order it runs.
 B sequences, prompts left-padded to P, responses right-padded to R; `response_mask` [B, R] is 1 on the tokens the
 policy produced.
 """
+from __future__ import annotations
+
 import contextlib
 import json
 import time
@@ -44,61 +49,99 @@ from .data.prompts import columns_of, prompt_text
 IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool output)
 
 
-# ---------------------------------------------------------------------------- log-probs and values
+# ---------------------------------------------------------------------------- the entry points
 
-def response_labels(input_ids, response_mask, prompt_len):
-    """The response tokens as labels [B, R]: IGNORE_INDEX where response_mask is 0."""
-    return input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)
+def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast,
+                      sample_only=False):
+    """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
+    consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
+    scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
+    -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"}).
+    sample_only (cfg.max_staleness, rollout workers): the rollout sampled and scored, not forwarded ->
+    (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train)."""
+    rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
+    rows_total = rollout_rows(cfg)
+    b = rows_total // world
+    local = slice(rank * b, (rank + 1) * b)
+    kept, stats, batches = [], {}, cfg.filter_groups_max_batches if cfg.filter_groups else 1
+    generate_s = 0.0
+    for batch in range(batches):
+        # Sampling noise is a function of (seed, iteration, batch) alone, so processes that finish decoding
+        # at different steps, and a resumed run, all draw the same noise for every row.
+        generator.manual_seed(cfg.seed * 1_000_003 + it + batch * 1_000_000_007)
+        prompt_batch = [p if isinstance(p, dict) else {"prompt": p} for p in stream.next_batch(cfg.rollout_batch_size)]
+        if needs_reference_responses(cfg):  # one reference response per prompt, shared by its n rows
+            prompt_batch = with_reference_responses(prompt_batch, policy, reference, tokenizer, cfg,
+                                                    cfg.seed * 1_000_003 + it + batch * 1_000_000_007 + 1, autocast)
+        global_prompts = [row for row in prompt_batch for _ in range(n)]  # [rows_total] a prompt's n rows in a row
+        prompts = global_prompts[local]
+        encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
+        pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
+        sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to,
+                                   (rank * b, rows_total), encoded)
+        generate_s += sampled.generate_s
+        if not cfg.filter_groups:
+            group = torch.arange(rows_total)[local] // n  # [b] the prompt's index in the global batch
+            stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
+            if sample_only:
+                return sampled, group, stats
+            return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+        everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
+        varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
+        kept.append((everything, varied))
+        n_varied = sum(int(v.sum()) for _, v in kept) // n
+        stats = {"filter/batches": batch + 1, "filter/kept_groups_frac": n_varied / (cfg.rollout_batch_size * (batch + 1))}
+        if n_varied >= cfg.rollout_batch_size:
+            break
+    # The first rollout_batch_size varied groups, in sampling order; a batch still short after
+    # filter_groups_max_batches is topped up with dropped groups (whose group-relative advantages are 0).
+    rows = [(i, j) for i, (_, v) in enumerate(kept) for j in v.nonzero().squeeze(1).tolist()]
+    rows += [(i, j) for i, (_, v) in enumerate(kept) for j in (~v).nonzero().squeeze(1).tolist()]
+    rows = rows[:rows_total][local]
+    sampled = select_sampled([e for e, _ in kept], rows, tokenizer)
+    group = torch.arange(rows_total)[local] // n
+    stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
+    if sample_only:
+        return sampled, group, stats
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
 
 
-def response_head(policy, input_ids, attention_mask, prompt_len, head, packed=None):
-    """Run `policy` and hand head(hidden [B, R, H], lm_head_weight [V, H]) the hidden states at the positions
-    that predict the response tokens; returns what `head` returns. The head runs inside the model's forward
-    (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper.
-    packed (ppo_core.data.packing.Packed, these rows packed): the forward runs on the rows' real tokens only, and the head
-    gets the same [B, R, H] layout, zeros where a row has no response token."""
-    if packed is not None:
-        return policy(packed.input_ids, None, packed=packed.args,
-                      head_fn=lambda hidden, weight: head(unpack_rows(hidden, packed.response_index), weight))
-    return policy(input_ids, attention_mask, head_fn=lambda hidden, weight: head(hidden[:, prompt_len - 1 : -1], weight))
-
-
-def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused, packed=None):
-    """Log-probs and entropy of the response tokens under `policy`, at `temperature`.
-
-    input_ids, attention_mask: [B, P+R]; response_mask: [B, R]. Returns logprobs, entropy: [B, R] float32
-    (0 where response_mask is 0). `fused` picks ppo_kernels' LM-head-fused path, which never forms the
-    [B*R, V] logits; the reference path is log_softmax + gather on full logits. packed: see response_head.
-    """
-    labels = response_labels(input_ids, response_mask, prompt_len)  # [B, R]
-
-    def head(hidden, weight):
-        B, R, H = hidden.shape
-        if fused:
-            logprobs, entropy = ppo_kernels.linear_token_logprobs(
-                hidden.reshape(B * R, H), weight, labels.reshape(B * R), temperature=temperature, return_entropy=True)
-            return logprobs.view(B, R), entropy.view(B, R)
-        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
-        return ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
-
-    return response_head(policy, input_ids, attention_mask, prompt_len, head, packed)
-
-
-def reference_logprobs(policy, reference, *args, packed=None):
-    """response_logprobs under the reference. With LoRA and no separate reference checkpoint the reference
-    IS the policy object: its base weights, computed with the adapters switched off."""
-    if reference is policy:
-        with lora.adapters_disabled(policy):
-            return response_logprobs(policy, *args, packed=packed)
-    return response_logprobs(reference, *args, packed=packed)
-
-
-def response_values(critic, input_ids, attention_mask, prompt_len, packed=None):
-    """V(s_t) for each response token t: the critic read at the position that predicts it. -> [B, R] (with packed,
-    0 where a row has no response token)."""
-    if packed is not None:
-        return unpack_rows(critic(packed.input_ids, None, packed=packed.args), packed.response_index)
-    return critic(input_ids, attention_mask)[:, prompt_len - 1 : -1]
+@torch.no_grad()
+def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast) -> Rollout:
+    """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
+    without a critic), in micro-batches (cfg.micro_batch_size rows, or packed ones of cfg.micro_batch_tokens tokens).
+    group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout the old log-probs
+    and entropy are the decoding pass's: no policy forward."""
+    policy.eval()
+    input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
+    attended = sampled.response_mask.bool() if sampled.attended is None else sampled.attended  # observations too
+    attention_mask = torch.cat([sampled.prompt_mask, attended], dim=1)
+    host_mask = attention_mask.cpu()  # [B, P+R]: packing is planned on the host
+    response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
+    B, R = response_mask.shape
+    old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros(B, R, device=input_ids.device) for _ in range(4))
+    chunks, n_real = scoring_micro_batches(host_mask, cfg)
+    for i, mb in enumerate(chunks):
+        packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
+        args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
+        with autocast():
+            if cfg.old_logprobs_from_rollout:
+                lp, ent = sampled.decode_logprobs[mb] * response_mask[mb], sampled.decode_entropy[mb] * response_mask[mb]
+            else:
+                lp, ent = response_logprobs(policy, *args, packed=packed)
+            ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
+            v = response_values(critic, input_ids[mb], attention_mask[mb], P, packed) if critic is not None else None
+        if i >= n_real:  # a forward run only to match another process's count
+            continue
+        old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
+        if v is not None:
+            old_values[mb] = v.float()
+    behav_logprobs = None
+    if cfg.off_policy_correction != "none":  # the behaviour policy: what the sampler computed for its own tokens
+        behav_logprobs = sampled.decode_logprobs * response_mask
+    return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
+                   old_logprobs, ref_logprobs, old_values * response_mask, entropy, sampled.scores,
+                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask, behav_logprobs=behav_logprobs)
 
 
 @dataclass
@@ -125,13 +168,55 @@ class Rollout:
     behav_logprobs: torch.Tensor = None  # [B, R]: the sampler's own log-probs (cfg.off_policy_correction), 0 off the loss
 
 
-def render_prompt(tokenizer, prompt, cfg):
-    """The text the policy sees: the prompt itself, or a user turn in the policy's chat template. One
-    rendering for every stage: rollout, old/reference log-probs and values all read these token ids."""
-    if cfg.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=cfg.enable_thinking)
-    return prompt
+@torch.no_grad()
+def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
+    """Mean reward over held-out prompt rows, sampling with the run's temperature (or greedily), under the
+    rollouts' autocast.
+
+    Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
+    Every process evaluates the same prompts (the held-out set is small)."""
+    policy.eval()
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    scores = []
+    for rows in micro_batches(len(prompts), 256):
+        batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.data.prompts)
+        if cfg.environment:  # the episodes' rewards
+            batch = [r if isinstance(r, dict) else {"prompt": r} for r in batch]
+            scores.append(play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None, greedy).scores)
+            continue
+        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
+        with autocast():
+            scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])
+    return float(torch.cat(scores).mean())
+
+
+# ---------------------------------------------------------------------------- prompts
+
+def needs_reference_responses(cfg) -> bool:
+    """A pairwise judge, in this process (cfg.judge) or on a reward server (cfg.reward_url with judge_mode pairwise),
+    compares each response with a reference response: from the prompt column cfg.judge_reference_column, else
+    sampled from the frozen reference policy (with_reference_responses) and sent along as that column."""
+    return cfg.judge_mode == "pairwise" and bool(cfg.judge or cfg.reward_url)
+
+
+@torch.no_grad()
+def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, autocast) -> list:
+    """Copies of the prompt rows (dicts) whose cfg.judge_reference_column is missing, given one response sampled from
+    the frozen reference policy (LoRA without a reference checkpoint: the policy with its adapters off) at the run's
+    temperature, with a generator seeded by `seed` alone: every process samples the same (global) rows alike, and a
+    resumed run samples them again identically. Rows that have the column are kept as they are."""
+    column = cfg.judge_reference_column
+    missing = [i for i, row in enumerate(rows) if row.get(column) is None]
+    if not missing:
+        return rows
+    model = policy if reference is policy else reference
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with lora.adapters_disabled(policy) if reference is policy else contextlib.nullcontext():
+        *_, texts, _ = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator, autocast=autocast)
+    out = list(rows)
+    for i, text in zip(missing, texts):
+        out[i] = {**rows[i], column: text}  # a copy: a prompt file's row is drawn again in later passes
+    return out
 
 
 def prompt_token_ids(tokenizer, prompt, cfg):
@@ -155,6 +240,20 @@ def prompt_token_ids(tokenizer, prompt, cfg):
     return ids
 
 
+def render_prompt(tokenizer, prompt, cfg):
+    """The text the policy sees: the prompt itself, or a user turn in the policy's chat template. One
+    rendering for every stage: rollout, old/reference log-probs and values all read these token ids."""
+    if cfg.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=cfg.enable_thinking)
+    return prompt
+
+
+def episode_template_kwargs(cfg) -> dict:
+    """The chat template's switches for episodes: Qwen3's enable_thinking (templates without it ignore it)."""
+    return {"enable_thinking": cfg.enable_thinking}
+
+
 def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
     """Left-pad the encoded (rendered) prompts to max(longest, pad_to). -> ids [B, P] int64, mask [B, P] bool.
     `prompts` may also be lists of token ids already encoded."""
@@ -164,6 +263,60 @@ def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
     ids = torch.tensor([[pad] * (P - len(e)) + e for e in encoded], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (P - len(e)) + [1] * len(e) for e in encoded], dtype=torch.bool, device=device)
     return ids, mask
+
+
+# ---------------------------------------------------------------------------- sampling and scoring
+
+@torch.no_grad()
+def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generator, autocast, pad_to, rows, encoded):
+    """One response per row of `prompt_rows`, and its score from the reward source (under the policy passes'
+    autocast). The reward sees the raw prompt text (not the chat rendering) and the rows' extra columns."""
+    policy.eval()
+    if cfg.environment:
+        return play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows)
+    t0 = time.perf_counter()
+    prompt_ids, prompt_mask, tokens, response_mask, responses, ended, *decoded = sample_responses(
+        policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast,
+        decode_logprobs=records_decode_logprobs(cfg))
+    decode_logprobs, decode_entropy = decoded[0] if decoded else (None, None)
+    generate_s = time.perf_counter() - t0  # sample_responses ends with a host read of the tokens: nothing in flight
+    texts = [prompt_text(r) for r in prompt_rows]
+    with autocast():  # a reward model scores under the same autocast as the policy passes
+        # [B] float32 (on the CPU for a reward function), validated; and each component's per-sample values
+        scores, reward_metrics = reward_source(texts, responses, columns_of(prompt_rows))
+    device = tokens.device
+    numbers = {k: v.float().to(device) for k, v in reward_metrics.items() if isinstance(v, torch.Tensor)}
+    words = {k: list(v) for k, v in reward_metrics.items() if not isinstance(v, torch.Tensor)}  # lists of B str
+    return Sampled(prompt_rows, texts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(device),
+                   numbers, words, generate_s, decode_logprobs, decode_entropy)
+
+
+@dataclass
+class Sampled:
+    """Responses sampled and scored, before any log-prob: B rows, prompts left-padded to P, responses right-padded."""
+
+    rows: list  # the prompt rows (ppo_core.data.prompts): "prompt" or "messages", and extra columns
+    prompts: list  # the raw prompt texts the reward function saw
+    responses: list
+    prompt_ids: torch.Tensor  # [B, P] int64
+    prompt_mask: torch.Tensor  # [B, P] bool
+    tokens: torch.Tensor  # [B, R] int64
+    response_mask: torch.Tensor  # [B, R] float32
+    ended: torch.Tensor  # [B] bool, the response ends with an EOS
+    scores: torch.Tensor  # [B] float32
+    reward_metrics: dict  # name -> [B] float32: each reward function's score and its own metrics
+    reward_texts: dict = field(default_factory=dict)  # name -> B str: a judge's rationales (samples.jsonl)
+    generate_s: float = 0.0  # seconds spent decoding them (the rest of the rollout: reward and scoring forwards)
+    decode_logprobs: torch.Tensor | None = None  # [B, R] float32, the decoding pass's (cfg.old_logprobs_from_rollout)
+    decode_entropy: torch.Tensor | None = None  # [B, R] float32, likewise
+    attended: torch.Tensor | None = None  # [B, R] bool: the response's real tokens, the policy's and observations'
+    # (multi-turn episodes, where response_mask is 0 on observations); None: response_mask's tokens
+
+
+def records_decode_logprobs(cfg) -> bool:
+    """Whether sampling keeps its own log-probs: the old log-probs taken from decoding, or the behaviour policy of an
+    off-policy correction."""
+    return cfg.old_logprobs_from_rollout or cfg.off_policy_correction != "none"
 
 
 def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, encoded=None,
@@ -229,116 +382,6 @@ def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id,
             torch.tensor(entropy, dtype=torch.float32, device=device))
 
 
-@dataclass
-class Sampled:
-    """Responses sampled and scored, before any log-prob: B rows, prompts left-padded to P, responses right-padded."""
-
-    rows: list  # the prompt rows (ppo_core.data.prompts): "prompt" or "messages", and extra columns
-    prompts: list  # the raw prompt texts the reward function saw
-    responses: list
-    prompt_ids: torch.Tensor  # [B, P] int64
-    prompt_mask: torch.Tensor  # [B, P] bool
-    tokens: torch.Tensor  # [B, R] int64
-    response_mask: torch.Tensor  # [B, R] float32
-    ended: torch.Tensor  # [B] bool, the response ends with an EOS
-    scores: torch.Tensor  # [B] float32
-    reward_metrics: dict  # name -> [B] float32: each reward function's score and its own metrics
-    reward_texts: dict = field(default_factory=dict)  # name -> B str: a judge's rationales (samples.jsonl)
-    generate_s: float = 0.0  # seconds spent decoding them (the rest of the rollout: reward and scoring forwards)
-    decode_logprobs: torch.Tensor | None = None  # [B, R] float32, the decoding pass's (cfg.old_logprobs_from_rollout)
-    decode_entropy: torch.Tensor | None = None  # [B, R] float32, likewise
-    attended: torch.Tensor | None = None  # [B, R] bool: the response's real tokens, the policy's and observations'
-    # (multi-turn episodes, where response_mask is 0 on observations); None: response_mask's tokens
-
-
-@torch.no_grad()
-def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generator, autocast, pad_to, rows, encoded):
-    """One response per row of `prompt_rows`, and its score from the reward source (under the policy passes'
-    autocast). The reward sees the raw prompt text (not the chat rendering) and the rows' extra columns."""
-    policy.eval()
-    if cfg.environment:
-        return play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows)
-    t0 = time.perf_counter()
-    prompt_ids, prompt_mask, tokens, response_mask, responses, ended, *decoded = sample_responses(
-        policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast,
-        decode_logprobs=records_decode_logprobs(cfg))
-    decode_logprobs, decode_entropy = decoded[0] if decoded else (None, None)
-    generate_s = time.perf_counter() - t0  # sample_responses ends with a host read of the tokens: nothing in flight
-    texts = [prompt_text(r) for r in prompt_rows]
-    with autocast():  # a reward model scores under the same autocast as the policy passes
-        # [B] float32 (on the CPU for a reward function), validated; and each component's per-sample values
-        scores, reward_metrics = reward_source(texts, responses, columns_of(prompt_rows))
-    device = tokens.device
-    numbers = {k: v.float().to(device) for k, v in reward_metrics.items() if isinstance(v, torch.Tensor)}
-    words = {k: list(v) for k, v in reward_metrics.items() if not isinstance(v, torch.Tensor)}  # lists of B str
-    return Sampled(prompt_rows, texts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(device),
-                   numbers, words, generate_s, decode_logprobs, decode_entropy)
-
-
-@torch.no_grad()
-def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast) -> Rollout:
-    """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
-    without a critic), in micro-batches (cfg.micro_batch_size rows, or packed ones of cfg.micro_batch_tokens tokens).
-    group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout the old log-probs
-    and entropy are the decoding pass's: no policy forward."""
-    policy.eval()
-    input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
-    attended = sampled.response_mask.bool() if sampled.attended is None else sampled.attended  # observations too
-    attention_mask = torch.cat([sampled.prompt_mask, attended], dim=1)
-    host_mask = attention_mask.cpu()  # [B, P+R]: packing is planned on the host
-    response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
-    B, R = response_mask.shape
-    old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros(B, R, device=input_ids.device) for _ in range(4))
-    chunks, n_real = scoring_micro_batches(host_mask, cfg)
-    for i, mb in enumerate(chunks):
-        packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
-        args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
-        with autocast():
-            if cfg.old_logprobs_from_rollout:
-                lp, ent = sampled.decode_logprobs[mb] * response_mask[mb], sampled.decode_entropy[mb] * response_mask[mb]
-            else:
-                lp, ent = response_logprobs(policy, *args, packed=packed)
-            ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
-            v = response_values(critic, input_ids[mb], attention_mask[mb], P, packed) if critic is not None else None
-        if i >= n_real:  # a forward run only to match another process's count
-            continue
-        old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
-        if v is not None:
-            old_values[mb] = v.float()
-    behav_logprobs = None
-    if cfg.off_policy_correction != "none":  # the behaviour policy: what the sampler computed for its own tokens
-        behav_logprobs = sampled.decode_logprobs * response_mask
-    return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
-                   old_logprobs, ref_logprobs, old_values * response_mask, entropy, sampled.scores,
-                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask, behav_logprobs=behav_logprobs)
-
-
-def scoring_micro_batches(host_mask, cfg):
-    """The scoring passes' micro-batches -> (CPU index tensors of rows, how many of them are real): cfg.micro_batch_size
-    rows each, or with cfg.micro_batch_tokens rows packed to at most that many real tokens (ppo_core.data.packing). Every
-    process runs as many forwards as the busiest one (FSDP gathers weights in each; DDP broadcasts buffers): a
-    process short of them runs row 0 again and keeps nothing."""
-    B = host_mask.shape[0]
-    if not cfg.micro_batch_tokens:
-        chunks = micro_batches(B, cfg.micro_batch_size)
-        return chunks, len(chunks)
-    lengths = host_mask.sum(-1).tolist()
-    bins = [torch.tensor(b) for b in token_budget_micro_batches(list(range(B)), lengths, cfg.micro_batch_tokens)]
-    extra = dist.all_reduce_max_int(len(bins)) - len(bins)
-    return bins + [torch.zeros(1, dtype=torch.long)] * extra, len(bins)
-
-
-def records_decode_logprobs(cfg) -> bool:
-    """Whether sampling keeps its own log-probs: the old log-probs taken from decoding, or the behaviour policy of an
-    off-policy correction."""
-    return cfg.old_logprobs_from_rollout or cfg.off_policy_correction != "none"
-
-
-def episode_template_kwargs(cfg) -> dict:
-    """The chat template's switches for episodes: Qwen3's enable_thinking (templates without it ignore it)."""
-    return {"enable_thinking": cfg.enable_thinking}
-
-
 @torch.no_grad()
 def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows, greedy=False) -> Sampled:
     """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.agents.environments): one episode per row, played
@@ -391,6 +434,131 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     return Sampled(prompt_rows, [prompt_text(r) for r in prompt_rows], responses, prompt_ids, prompt_mask, tokens,
                    response_mask, ended, scores, metrics, texts, generate_s, *decoded, attended=attended)
 
+
+def reward_means(reward_metrics) -> dict:
+    """Each reward component's mean over the global batch, for metrics.jsonl."""
+    return {name: dist.all_gather_rows(values).mean().item() for name, values in sorted(reward_metrics.items())}
+
+
+# ---------------------------------------------------------------------------- DAPO's group filter
+
+def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
+    """Every process's rows of `sampled`, in rank order (responses padded to max_new_tokens first)."""
+    pad = cfg.max_new_tokens - sampled.tokens.shape[1]
+    tokens = torch.nn.functional.pad(sampled.tokens, (0, pad), value=tokenizer.pad_token_id)
+    response_mask = torch.nn.functional.pad(sampled.response_mask, (0, pad))
+    parts = [dist.all_gather_rows(t) for t in (sampled.prompt_ids, sampled.prompt_mask, tokens, response_mask,
+                                               sampled.ended, sampled.scores)]
+    responses = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(parts[2].cpu(), parts[3].cpu())]
+    metrics = {k: dist.all_gather_rows(v) for k, v in sampled.reward_metrics.items()}
+    # a judge's rationales travel only within one process (texts are not gathered): kept in a 1-process run
+    words = sampled.reward_texts if dist.world_size() == 1 else {}
+    decoded = [None, None]
+    if sampled.decode_logprobs is not None:  # cfg.old_logprobs_from_rollout
+        decoded = [dist.all_gather_rows(torch.nn.functional.pad(t, (0, pad)))
+                   for t in (sampled.decode_logprobs, sampled.decode_entropy)]
+    return Sampled(global_prompts, [prompt_text(r) for r in global_prompts], responses, *parts, metrics, words,
+                   sampled.generate_s, *decoded)
+
+
+def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
+    """Rows (batch index, row index) of several Sampled batches as one; prompts left-padded to the widest."""
+    P = max(s.prompt_ids.shape[1] for s in batches)
+    def left_pad(t, value):  # [B, p] -> [B, P]
+        return torch.nn.functional.pad(t, (P - t.shape[1], 0), value=value)
+    picked = [(batches[i], j) for i, j in rows]
+    return Sampled([s.rows[j] for s, j in picked], [s.prompts[j] for s, j in picked], [s.responses[j] for s, j in picked],
+                   torch.stack([left_pad(s.prompt_ids, tokenizer.pad_token_id)[j] for s, j in picked]),
+                   torch.stack([left_pad(s.prompt_mask, False)[j] for s, j in picked]),
+                   torch.stack([s.tokens[j] for s, j in picked]), torch.stack([s.response_mask[j] for s, j in picked]),
+                   torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]),
+                   {k: torch.stack([s.reward_metrics[k][j] for s, j in picked]) for k in batches[0].reward_metrics},
+                   {k: [s.reward_texts[k][j] for s, j in picked] for k in batches[0].reward_texts},
+                   sum(s.generate_s for s in batches),
+                   *([torch.stack([getattr(s, name)[j] for s, j in picked]) for name in ("decode_logprobs", "decode_entropy")]
+                     if batches[0].decode_logprobs is not None else [None, None]))
+
+
+# ---------------------------------------------------------------------------- log-probs and values
+
+def scoring_micro_batches(host_mask, cfg):
+    """The scoring passes' micro-batches -> (CPU index tensors of rows, how many of them are real): cfg.micro_batch_size
+    rows each, or with cfg.micro_batch_tokens rows packed to at most that many real tokens (ppo_core.data.packing). Every
+    process runs as many forwards as the busiest one (FSDP gathers weights in each; DDP broadcasts buffers): a
+    process short of them runs row 0 again and keeps nothing."""
+    B = host_mask.shape[0]
+    if not cfg.micro_batch_tokens:
+        chunks = micro_batches(B, cfg.micro_batch_size)
+        return chunks, len(chunks)
+    lengths = host_mask.sum(-1).tolist()
+    bins = [torch.tensor(b) for b in token_budget_micro_batches(list(range(B)), lengths, cfg.micro_batch_tokens)]
+    extra = dist.all_reduce_max_int(len(bins)) - len(bins)
+    return bins + [torch.zeros(1, dtype=torch.long)] * extra, len(bins)
+
+
+def micro_batches(n, size, order=None):
+    """Index tensors of consecutive chunks of `order` (default 0..n-1, on the CPU: indexing a CUDA tensor with a
+    CPU index tensor is allowed and copies the index over)."""
+    order = torch.arange(n) if order is None else order
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+def response_logprobs(policy, input_ids, attention_mask, response_mask, prompt_len, temperature, fused, packed=None):
+    """Log-probs and entropy of the response tokens under `policy`, at `temperature`.
+
+    input_ids, attention_mask: [B, P+R]; response_mask: [B, R]. Returns logprobs, entropy: [B, R] float32
+    (0 where response_mask is 0). `fused` picks ppo_kernels' LM-head-fused path, which never forms the
+    [B*R, V] logits; the reference path is log_softmax + gather on full logits. packed: see response_head.
+    """
+    labels = response_labels(input_ids, response_mask, prompt_len)  # [B, R]
+
+    def head(hidden, weight):
+        B, R, H = hidden.shape
+        if fused:
+            logprobs, entropy = ppo_kernels.linear_token_logprobs(
+                hidden.reshape(B * R, H), weight, labels.reshape(B * R), temperature=temperature, return_entropy=True)
+            return logprobs.view(B, R), entropy.view(B, R)
+        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
+        return ppo_kernels.token_logprobs_reference(logits, labels, temperature=temperature, return_entropy=True)
+
+    return response_head(policy, input_ids, attention_mask, prompt_len, head, packed)
+
+
+def reference_logprobs(policy, reference, *args, packed=None):
+    """response_logprobs under the reference. With LoRA and no separate reference checkpoint the reference
+    IS the policy object: its base weights, computed with the adapters switched off."""
+    if reference is policy:
+        with lora.adapters_disabled(policy):
+            return response_logprobs(policy, *args, packed=packed)
+    return response_logprobs(reference, *args, packed=packed)
+
+
+def response_labels(input_ids, response_mask, prompt_len):
+    """The response tokens as labels [B, R]: IGNORE_INDEX where response_mask is 0."""
+    return input_ids[:, prompt_len:].masked_fill(response_mask == 0, IGNORE_INDEX)
+
+
+def response_head(policy, input_ids, attention_mask, prompt_len, head, packed=None):
+    """Run `policy` and hand head(hidden [B, R, H], lm_head_weight [V, H]) the hidden states at the positions
+    that predict the response tokens; returns what `head` returns. The head runs inside the model's forward
+    (CausalLM's head_fn), so it sees the full LM-head weight under FSDP and goes through DDP's wrapper.
+    packed (ppo_core.data.packing.Packed, these rows packed): the forward runs on the rows' real tokens only, and the head
+    gets the same [B, R, H] layout, zeros where a row has no response token."""
+    if packed is not None:
+        return policy(packed.input_ids, None, packed=packed.args,
+                      head_fn=lambda hidden, weight: head(unpack_rows(hidden, packed.response_index), weight))
+    return policy(input_ids, attention_mask, head_fn=lambda hidden, weight: head(hidden[:, prompt_len - 1 : -1], weight))
+
+
+def response_values(critic, input_ids, attention_mask, prompt_len, packed=None):
+    """V(s_t) for each response token t: the critic read at the position that predicts it. -> [B, R] (with packed,
+    0 where a row has no response token)."""
+    if packed is not None:
+        return unpack_rows(critic(packed.input_ids, None, packed=packed.args), packed.response_index)
+    return critic(input_ids, attention_mask)[:, prompt_len - 1 : -1]
+
+
+# ---------------------------------------------------------------------------- checkpoints, workers, samples.jsonl
 
 _SAMPLED_TENSORS = ("prompt_ids", "prompt_mask", "tokens", "response_mask", "ended", "scores", "decode_logprobs",
                     "decode_entropy", "attended")
@@ -453,6 +621,8 @@ def sample_rows(sampled: Sampled, tokenizer) -> list:
             for i, (row, text, response) in enumerate(zip(sampled.rows, sampled.prompts, sampled.responses))]
 
 
+# ---------------------------------------------------------------------------- for tests
+
 def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator, autocast,
                     pad_to, rows, encoded, group):
     """Sample and score one response per row (a prompt row or a plain prompt string), then run the training code path
@@ -460,158 +630,3 @@ def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source
     prompts = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to, rows, encoded)
     return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended
-
-
-def needs_reference_responses(cfg) -> bool:
-    """A pairwise judge, in this process (cfg.judge) or on a reward server (cfg.reward_url with judge_mode pairwise),
-    compares each response with a reference response: from the prompt column cfg.judge_reference_column, else
-    sampled from the frozen reference policy (with_reference_responses) and sent along as that column."""
-    return cfg.judge_mode == "pairwise" and bool(cfg.judge or cfg.reward_url)
-
-
-@torch.no_grad()
-def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, autocast) -> list:
-    """Copies of the prompt rows (dicts) whose cfg.judge_reference_column is missing, given one response sampled from
-    the frozen reference policy (LoRA without a reference checkpoint: the policy with its adapters off) at the run's
-    temperature, with a generator seeded by `seed` alone: every process samples the same (global) rows alike, and a
-    resumed run samples them again identically. Rows that have the column are kept as they are."""
-    column = cfg.judge_reference_column
-    missing = [i for i, row in enumerate(rows) if row.get(column) is None]
-    if not missing:
-        return rows
-    model = policy if reference is policy else reference
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with lora.adapters_disabled(policy) if reference is policy else contextlib.nullcontext():
-        *_, texts, _ = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator, autocast=autocast)
-    out = list(rows)
-    for i, text in zip(missing, texts):
-        out[i] = {**rows[i], column: text}  # a copy: a prompt file's row is drawn again in later passes
-    return out
-
-
-def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast,
-                      sample_only=False):
-    """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
-    consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
-    scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
-    -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"}).
-    sample_only (cfg.max_staleness, rollout workers): the rollout sampled and scored, not forwarded ->
-    (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train)."""
-    rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
-    rows_total = rollout_rows(cfg)
-    b = rows_total // world
-    local = slice(rank * b, (rank + 1) * b)
-    kept, stats, batches = [], {}, cfg.filter_groups_max_batches if cfg.filter_groups else 1
-    generate_s = 0.0
-    for batch in range(batches):
-        # Sampling noise is a function of (seed, iteration, batch) alone, so processes that finish decoding
-        # at different steps, and a resumed run, all draw the same noise for every row.
-        generator.manual_seed(cfg.seed * 1_000_003 + it + batch * 1_000_000_007)
-        prompt_batch = [p if isinstance(p, dict) else {"prompt": p} for p in stream.next_batch(cfg.rollout_batch_size)]
-        if needs_reference_responses(cfg):  # one reference response per prompt, shared by its n rows
-            prompt_batch = with_reference_responses(prompt_batch, policy, reference, tokenizer, cfg,
-                                                    cfg.seed * 1_000_003 + it + batch * 1_000_000_007 + 1, autocast)
-        global_prompts = [row for row in prompt_batch for _ in range(n)]  # [rows_total] a prompt's n rows in a row
-        prompts = global_prompts[local]
-        encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
-        pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))  # the same prompt width on every process
-        sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast, pad_to,
-                                   (rank * b, rows_total), encoded)
-        generate_s += sampled.generate_s
-        if not cfg.filter_groups:
-            group = torch.arange(rows_total)[local] // n  # [b] the prompt's index in the global batch
-            stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
-            if sample_only:
-                return sampled, group, stats
-            return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
-        everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
-        varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
-        kept.append((everything, varied))
-        n_varied = sum(int(v.sum()) for _, v in kept) // n
-        stats = {"filter/batches": batch + 1, "filter/kept_groups_frac": n_varied / (cfg.rollout_batch_size * (batch + 1))}
-        if n_varied >= cfg.rollout_batch_size:
-            break
-    # The first rollout_batch_size varied groups, in sampling order; a batch still short after
-    # filter_groups_max_batches is topped up with dropped groups (whose group-relative advantages are 0).
-    rows = [(i, j) for i, (_, v) in enumerate(kept) for j in v.nonzero().squeeze(1).tolist()]
-    rows += [(i, j) for i, (_, v) in enumerate(kept) for j in (~v).nonzero().squeeze(1).tolist()]
-    rows = rows[:rows_total][local]
-    sampled = select_sampled([e for e, _ in kept], rows, tokenizer)
-    group = torch.arange(rows_total)[local] // n
-    stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
-    if sample_only:
-        return sampled, group, stats
-    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
-
-
-def reward_means(reward_metrics) -> dict:
-    """Each reward component's mean over the global batch, for metrics.jsonl."""
-    return {name: dist.all_gather_rows(values).mean().item() for name, values in sorted(reward_metrics.items())}
-
-
-def gather_sampled(sampled: Sampled, global_prompts, tokenizer, cfg) -> Sampled:
-    """Every process's rows of `sampled`, in rank order (responses padded to max_new_tokens first)."""
-    pad = cfg.max_new_tokens - sampled.tokens.shape[1]
-    tokens = torch.nn.functional.pad(sampled.tokens, (0, pad), value=tokenizer.pad_token_id)
-    response_mask = torch.nn.functional.pad(sampled.response_mask, (0, pad))
-    parts = [dist.all_gather_rows(t) for t in (sampled.prompt_ids, sampled.prompt_mask, tokens, response_mask,
-                                               sampled.ended, sampled.scores)]
-    responses = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(parts[2].cpu(), parts[3].cpu())]
-    metrics = {k: dist.all_gather_rows(v) for k, v in sampled.reward_metrics.items()}
-    # a judge's rationales travel only within one process (texts are not gathered): kept in a 1-process run
-    words = sampled.reward_texts if dist.world_size() == 1 else {}
-    decoded = [None, None]
-    if sampled.decode_logprobs is not None:  # cfg.old_logprobs_from_rollout
-        decoded = [dist.all_gather_rows(torch.nn.functional.pad(t, (0, pad)))
-                   for t in (sampled.decode_logprobs, sampled.decode_entropy)]
-    return Sampled(global_prompts, [prompt_text(r) for r in global_prompts], responses, *parts, metrics, words,
-                   sampled.generate_s, *decoded)
-
-
-def select_sampled(batches: list, rows: list, tokenizer) -> Sampled:
-    """Rows (batch index, row index) of several Sampled batches as one; prompts left-padded to the widest."""
-    P = max(s.prompt_ids.shape[1] for s in batches)
-    def left_pad(t, value):  # [B, p] -> [B, P]
-        return torch.nn.functional.pad(t, (P - t.shape[1], 0), value=value)
-    picked = [(batches[i], j) for i, j in rows]
-    return Sampled([s.rows[j] for s, j in picked], [s.prompts[j] for s, j in picked], [s.responses[j] for s, j in picked],
-                   torch.stack([left_pad(s.prompt_ids, tokenizer.pad_token_id)[j] for s, j in picked]),
-                   torch.stack([left_pad(s.prompt_mask, False)[j] for s, j in picked]),
-                   torch.stack([s.tokens[j] for s, j in picked]), torch.stack([s.response_mask[j] for s, j in picked]),
-                   torch.stack([s.ended[j] for s, j in picked]), torch.stack([s.scores[j] for s, j in picked]),
-                   {k: torch.stack([s.reward_metrics[k][j] for s, j in picked]) for k in batches[0].reward_metrics},
-                   {k: [s.reward_texts[k][j] for s, j in picked] for k in batches[0].reward_texts},
-                   sum(s.generate_s for s in batches),
-                   *([torch.stack([getattr(s, name)[j] for s, j in picked]) for name in ("decode_logprobs", "decode_entropy")]
-                     if batches[0].decode_logprobs is not None else [None, None]))
-
-
-def micro_batches(n, size, order=None):
-    """Index tensors of consecutive chunks of `order` (default 0..n-1, on the CPU: indexing a CUDA tensor with a
-    CPU index tensor is allowed and copies the index over)."""
-    order = torch.arange(n) if order is None else order
-    return [order[i : i + size] for i in range(0, n, size)]
-
-
-# ---------------------------------------------------------------------------- evaluation
-
-@torch.no_grad()
-def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
-    """Mean reward over held-out prompt rows, sampling with the run's temperature (or greedily), under the
-    rollouts' autocast.
-
-    Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
-    Every process evaluates the same prompts (the held-out set is small)."""
-    policy.eval()
-    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
-    scores = []
-    for rows in micro_batches(len(prompts), 256):
-        batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.data.prompts)
-        if cfg.environment:  # the episodes' rewards
-            batch = [r if isinstance(r, dict) else {"prompt": r} for r in batch]
-            scores.append(play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None, greedy).scores)
-            continue
-        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
-        with autocast():
-            scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])
-    return float(torch.cat(scores).mean())

@@ -10,15 +10,18 @@
               runs each in micro-batches whose gradients add up to the minibatch's, summed across processes: padded
               ones of micro_batch_size rows (each process its own rows), or with micro_batch_tokens packed ones
               (ppo_core.data.packing: each minibatch's rows split across processes by token count, then packed to the budget)
-  objectives: policy_objective: cfg.policy_loss_kind's loss (algo.policy_loss_function: PPO's clipped surrogate,
-              CISPO, GSPO), weighted per token by an off-policy correction when one is on, + the KL loss term, - the
-              entropy bonus, on the fused kernel or the torch reference; the critic's clipped value loss
-              (algo.value_loss)
+  objectives: on one MicroBatch (a micro-batch's rows of the rollout, by name): policy_objective,
+              cfg.policy_loss_kind's loss (algo.policy_loss_function: PPO's clipped surrogate, CISPO, GSPO), weighted
+              per token by an off-policy correction when one is on, + the KL loss term, - the entropy bonus, on the
+              fused kernel or the torch reference; the critic's clipped value loss (algo.value_loss)
+  statistics: STEP_STATS, the one table of what each optimizer step reports and how it is averaged
   optimizers: Optimizers: AdamW for policy and critic, warm-up + cosine LR (lr_at), the skip-on-NaN rule
 The forward heads are the rollout's (ppo_core.rollout), so the update's log-probs are computed as the old ones were.
+The file reads in that order: the entry points first, then what they call, in the order it runs.
 """
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,11 +31,11 @@ import ppo_kernels
 from . import algo
 from .run import distributed as dist
 from .config import PPOConfig
-from .data.packing import balanced_split, pack_rows, token_budget_micro_batches
+from .data.packing import Packed, balanced_split, pack_rows, token_budget_micro_batches
 from .rollout import Rollout, micro_batches, response_head, response_labels, response_values
 
 
-# ---------------------------------------------------------------------------- advantages
+# ---------------------------------------------------------------------------- the entry points
 
 def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_with_eos):
     """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> advantages by cfg.adv_estimator.
@@ -66,92 +69,26 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_w
     rollout.rewards, rollout.advantages, rollout.returns = rewards[lo:hi], advantages[lo:hi], returns[lo:hi]
 
 
-# ---------------------------------------------------------------------------- the update
-
-def lr_at(step, total_steps, cfg: PPOConfig):
-    """The LR multiplier at optimizer step `step` (0-based) of total_steps: linear warm-up to the peak at step
-    warmup_steps - 1, then cosine decay that reaches min_lr_ratio at the last step, total_steps - 1."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def policy_objective(policy, ids, am, rm, old_logp, advantages, ref_logp, P, cfg, kl_coef, agg, packed=None,
-                     behav_logp=None):
-    """The policy's minibatch loss on one micro-batch: cfg.policy_loss_kind's loss (algo.policy_loss_function picks
-    it: PPO's clipped surrogate, CISPO's clipped stop-gradient weight, GSPO's sequence ratio), + kl_coef * KL to the
-    reference when the KL is a loss term (cfg.kl_in_reward = False), - entropy_coef * entropy. Returns (loss to
-    backward, pg_loss, kl_loss, stats).
-
-    fused (cfg.fused_kernels, and a kind in ppo_kernels.LOSS_KINDS: the token-level losses whose per-token gradient
-    is a function of logp, old_logp and A): ppo_kernels.linear_policy_loss(loss_kind=...) forms the log-probs, the
-    loss and its gradients from the hidden states and the LM head tile by tile, never the [B*R, V] logits. Any other
-    kind (GSPO, whose ratio spans a whole sequence) runs on ppo_kernels.linear_token_logprobs' fused log-probs and
-    entropy, with their own backward, then its algo function; without fused_kernels: full logits, log_softmax + gather
-    and ppo_core.algo, the plain reference a researcher edits. packed: these rows packed (ppo_core.data.packing); the heads
-    see what they see padded.
-
-    behav_logp [B, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path hands the loss the
-    detached weights w_t of algo.off_policy_weights (L_t = w_t L_t, as algo.policy_loss_off_policy); the fused kernel
-    takes the weighted advantages w_t A_t, which is the same loss, since w_t >= 0 is a constant and both fused losses
-    are positively homogeneous in A: w max(-A r, -A clip(r)) = max(-(w A) r, -(w A) clip(r)), the dual clip's -c A
-    alike, and w (-sg(clip(r)) A log p) = -sg(clip(r)) (w A) log p. The KL term and the entropy bonus are not
-    weighted."""
-    labels = response_labels(ids, rm, P)
-    kl_in_loss = not cfg.kl_in_reward
-    off_weights, off_stats = None, {}
-    if behav_logp is not None:  # w_t from k_t = pi_old / mu (ppo_core.algo), [B, R] detached
-        off_weights, off_stats = algo.off_policy_weights(
-            old_logp, behav_logp, rm, correction=cfg.off_policy_correction, cap=cfg.off_policy_cap,
-            band=(cfg.off_policy_band_low, cfg.off_policy_band_high), mask_level=cfg.off_policy_mask_level)
-    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
-    want_entropy = cfg.entropy_coef != 0.0
-    fused = cfg.fused_kernels and cfg.policy_loss_kind in ppo_kernels.LOSS_KINDS
-
-    def fused_head(hidden, weight):
-        weighted = advantages if off_weights is None else advantages * off_weights  # w_t A_t
-        return ppo_kernels.linear_policy_loss(
-            hidden, weight, labels, old_logp, weighted, rm, loss_kind=cfg.policy_loss_kind,
-            temperature=cfg.temperature, **clip, **agg, ref_logp=ref_logp if kl_in_loss else None,
-            kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
-
-    def logprob_head(hidden, weight):  # -> (log-probs [B, R], entropy [B, R] or None), with gradient
-        if cfg.fused_kernels:
-            B, R, H = hidden.shape
-            out = ppo_kernels.linear_token_logprobs(hidden.reshape(B * R, H), weight, labels.reshape(B * R),
-                                                    temperature=cfg.temperature, return_entropy=want_entropy)
-            return (out[0].view(B, R), out[1].view(B, R)) if want_entropy else (out.view(B, R), None)
-        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
-        out = ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature, return_entropy=want_entropy)
-        return out if want_entropy else (out, None)
-
-    if fused:
-        loss, stats = response_head(policy, ids, am, P, fused_head, packed)  # the KL and entropy terms are inside
-        logp = stats["logp"]  # detached; the KL term's value is reported separately below
-    else:
-        logp, entropy = response_head(policy, ids, am, P, logprob_head, packed)
-        policy_loss_fn = algo.policy_loss_function(cfg.policy_loss_kind)  # the one place a loss kind is chosen
-        loss, stats = policy_loss_fn(logp, old_logp, advantages, rm, **clip, weights=off_weights, **agg)
-        if want_entropy:
-            # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
-            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, rm, agg["agg"], num_tokens=agg["num_tokens"],
-                                                            num_seqs=agg["num_seqs"])
-            stats["entropy"] = algo.masked_mean(entropy.detach(), rm)
-    kl_loss = torch.zeros((), device=ids.device)  # on the loop's device: stacked with the losses below
-    if kl_in_loss:
-        kl_loss = algo.aggregate(algo.kl_estimate(logp.detach(), ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
-                                 num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
-        if not fused:
-            loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logp, cfg.kl_loss_kind), rm, agg["agg"],
-                                                   num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
-    if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
-        stats["behav_gap"] = off_stats["behav_gap_mean"]
-        stats["behav_gap_max"] = off_stats["behav_gap_max"]
-        stats["corrected_frac"] = off_stats[CORRECTED_FRAC[cfg.off_policy_correction]]
-    # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
-    pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
-    return loss, pg_loss, kl_loss.detach(), stats
+# What each optimizer step reports, in the order its sums travel (minibatch_gradients, _read_step_stats), and how
+# each is formed from the micro-batches. None: a loss, already normalised by the minibatch's global token and sequence
+# counts (algo.aggregate), summed as it is. A key: that statistic of policy_objective's (policy/, off_policy/) or
+# algo.value_loss's (value/) stats, a masked mean per micro-batch, summed times the micro-batch's token count and
+# divided by the minibatch's: a mean over the minibatch's tokens.
+STEP_STATS = {
+    "policy/loss": None,
+    "value/loss": None,
+    "policy/kl_loss": None,
+    "policy/clipfrac": "clipfrac",
+    "policy/dual_clipfrac": "dual_clipfrac",
+    "policy/approx_kl": "approx_kl",
+    "policy/ratio_mean": "ratio_mean",
+    "policy/entropy": "entropy",
+    "value/clipfrac": "clipfrac",
+    "value/values_mean": "values_mean",
+    "off_policy/behav_gap_mean": "behav_gap",
+    "off_policy/corrected_frac": "corrected_frac",
+}
+MB_STATS = tuple(STEP_STATS)  # their names, in that order
 
 
 def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn, train_policy=True):
@@ -200,8 +137,8 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
             sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, chunks, n_micro, cfg, kl_coef,
                                                            autocast, train_policy)
             values, tokens, (first_dev, max_dev, gap_max) = _read_step_stats(sums, counts, ratio_devs)
-            for name, value, per_token in zip(MB_STATS, values, MB_STATS_PER_TOKEN):
-                _append(stats, name, value / tokens if per_token else value)
+            for (name, key), value in zip(STEP_STATS.items(), values):
+                _append(stats, name, value if key is None else value / tokens)
             if first_ratio_dev is None:
                 first_ratio_dev = first_dev
             ratio_max_dev = max(ratio_max_dev, max_dev)
@@ -230,6 +167,207 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
     return out
 
 
+# ---------------------------------------------------------------------------- one minibatch
+
+def every_process_rows(rollout: Rollout) -> Rollout:
+    """The rollout with every process's rows, in rank order (one process: the rollout itself): what the packed update
+    splits across processes by token count (ppo_update). Per-row tensors only; prompts, responses and scores stay
+    each process's own."""
+    if dist.world_size() == 1:
+        return rollout
+    tensors = {name: dist.all_gather_rows(getattr(rollout, name))
+               for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs", "old_values",
+                            "entropy", "advantages", "returns", "behav_logprobs") if getattr(rollout, name) is not None}
+    return dataclasses.replace(rollout, **tensors, host_mask=tensors["attention_mask"].cpu())
+
+
+def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: PPOConfig, kl_coef, autocast,
+                        train_policy=True):
+    """Forward and backward of policy and critic over this process's rows of one minibatch, in n_micro micro-batches:
+    chunks, CPU index tensors of rows (a process with fewer than n_micro runs row 0 with no token in the loss:
+    gradient 0), each padded to the rollout's width or, with cfg.micro_batch_tokens, packed (ppo_core.data.packing);
+    gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
+    (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
+
+    Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
+    float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
+    global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
+    sequence counts) and ratio_devs [3] (max |ratio - 1| of the processes' first micro-batches, and of all of them;
+    the largest behaviour gap |log pi_old - log mu|, 0 without an off-policy correction)."""
+    device = rollout.input_ids.device
+    mask_mb = rollout.response_mask[torch.cat(chunks)] if chunks else rollout.response_mask[:0]
+    # Global denominators for the whole minibatch, so the micro-batch losses of all processes
+    # add up to the minibatch's loss (and their gradients to its gradient).
+    counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
+    agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+    sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
+    zero = torch.zeros((), device=device)
+    first_ratio_dev, max_ratio_dev, max_gap = None, zero, zero
+    for i in range(n_micro):
+        rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
+        batch = micro_batch(rollout, rows, packed=bool(cfg.micro_batch_tokens), in_loss=i < len(chunks))
+        last = i == n_micro - 1
+        n = batch.response_mask.sum()
+        pg_loss = kl_loss = vf_loss = zero
+        pg_stats, vf_stats = {}, {}
+        if train_policy:
+            with dist.gradient_sync(policy, last):
+                with autocast():
+                    loss, pg_loss, kl_loss, pg_stats = policy_objective(policy, batch, cfg, kl_coef, agg)
+                loss.backward()
+            if first_ratio_dev is None:
+                first_ratio_dev = pg_stats["ratio_max_dev"].detach()
+            max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
+            if "behav_gap_max" in pg_stats:
+                max_gap = torch.maximum(max_gap, pg_stats["behav_gap_max"].detach())
+        if critic is not None:
+            with dist.gradient_sync(critic, last):
+                with autocast():
+                    values = response_values(critic, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                             batch.packed).float()
+                vf_loss, vf_stats = algo.value_loss(values, batch.old_values, batch.returns, batch.response_mask,
+                                                    clip=cfg.value_clip or None, **agg)
+                vf_loss.backward()
+        losses = {"policy/loss": pg_loss, "value/loss": vf_loss.detach(), "policy/kl_loss": kl_loss}
+        sums += torch.stack([
+            losses[name] if key is None else (vf_stats if name.startswith("value/") else pg_stats).get(key, zero) * n
+            for name, key in STEP_STATS.items()
+        ]).double()
+    if first_ratio_dev is None:
+        first_ratio_dev = zero
+    return (dist.all_reduce_sum(sums), counts,
+            dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev, max_gap.to(max_ratio_dev.dtype)])))
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch's rows of the rollout: what policy_objective and the value loss read. b rows, prompts
+    left-padded to prompt_len (P), responses right-padded to R."""
+
+    input_ids: torch.Tensor  # [b, P+R] int64
+    attention_mask: torch.Tensor  # [b, P+R] bool
+    response_mask: torch.Tensor  # [b, R] float32: 1 on the tokens the policy produced, the tokens in the loss
+    prompt_len: int  # P
+    old_logprobs: torch.Tensor  # [b, R] float32: log pi_old, the rollout's
+    advantages: torch.Tensor  # [b, R] float32
+    ref_logprobs: torch.Tensor  # [b, R] float32: the reference policy's
+    behav_logprobs: torch.Tensor | None = None  # [b, R] float32: the sampler's, mu (cfg.off_policy_correction)
+    old_values: torch.Tensor | None = None  # [b, R] float32: the critic's at rollout time (the value loss's clip)
+    returns: torch.Tensor | None = None  # [b, R] float32: the value targets
+    packed: Packed | None = None  # these rows packed (cfg.micro_batch_tokens, ppo_core.data.packing)
+
+
+def micro_batch(rollout: Rollout, rows, packed=False, in_loss=True) -> MicroBatch:
+    """The rollout's rows `rows` (a CPU index tensor) as a MicroBatch; packed: with their packed form. in_loss=False: a
+    process's extra micro-batch (minibatch_gradients), all-zero response_mask, so no token is in the loss."""
+    input_ids, response_mask = rollout.input_ids[rows], rollout.response_mask[rows]
+    return MicroBatch(
+        input_ids=input_ids, attention_mask=rollout.attention_mask[rows],
+        response_mask=response_mask if in_loss else torch.zeros_like(response_mask), prompt_len=rollout.prompt_len,
+        old_logprobs=rollout.old_logprobs[rows], advantages=rollout.advantages[rows],
+        ref_logprobs=rollout.ref_logprobs[rows],
+        behav_logprobs=None if rollout.behav_logprobs is None else rollout.behav_logprobs[rows],
+        old_values=rollout.old_values[rows], returns=rollout.returns[rows],
+        packed=pack_rows(input_ids, rollout.host_mask[rows], rollout.prompt_len) if packed else None)
+
+
+def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
+    """The policy's minibatch loss on one micro-batch: cfg.policy_loss_kind's loss (algo.policy_loss_function picks
+    it: PPO's clipped surrogate, CISPO's clipped stop-gradient weight, GSPO's sequence ratio), + kl_coef * KL to the
+    reference when the KL is a loss term (cfg.kl_in_reward = False), - entropy_coef * entropy. Returns (loss to
+    backward, pg_loss, kl_loss, stats).
+
+    fused (cfg.fused_kernels, and a kind in ppo_kernels.LOSS_KINDS: the token-level losses whose per-token gradient
+    is a function of logp, old_logp and A): ppo_kernels.linear_policy_loss(loss_kind=...) forms the log-probs, the
+    loss and its gradients from the hidden states and the LM head tile by tile, never the [B*R, V] logits. Any other
+    kind (GSPO, whose ratio spans a whole sequence) runs on ppo_kernels.linear_token_logprobs' fused log-probs and
+    entropy, with their own backward, then its algo function; without fused_kernels: full logits, log_softmax + gather
+    and ppo_core.algo, the plain reference a researcher edits. batch.packed: these rows packed (ppo_core.data.packing); the
+    heads see what they see padded. agg: algo.aggregate's agg and the minibatch's global num_tokens and num_seqs.
+
+    batch.behav_logprobs [b, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path hands the loss the
+    detached weights w_t of algo.off_policy_weights (L_t = w_t L_t, as algo.policy_loss_off_policy); the fused kernel
+    takes the weighted advantages w_t A_t, which is the same loss, since w_t >= 0 is a constant and both fused losses
+    are positively homogeneous in A: w max(-A r, -A clip(r)) = max(-(w A) r, -(w A) clip(r)), the dual clip's -c A
+    alike, and w (-sg(clip(r)) A log p) = -sg(clip(r)) (w A) log p. The KL term and the entropy bonus are not
+    weighted."""
+    response_mask, old_logprobs, ref_logprobs = batch.response_mask, batch.old_logprobs, batch.ref_logprobs
+    advantages = batch.advantages
+    labels = response_labels(batch.input_ids, response_mask, batch.prompt_len)
+    kl_in_loss = not cfg.kl_in_reward
+    off_weights, off_stats = None, {}
+    if batch.behav_logprobs is not None:  # w_t from k_t = pi_old / mu (ppo_core.algo), [b, R] detached
+        off_weights, off_stats = algo.off_policy_weights(
+            old_logprobs, batch.behav_logprobs, response_mask, correction=cfg.off_policy_correction, cap=cfg.off_policy_cap,
+            band=(cfg.off_policy_band_low, cfg.off_policy_band_high), mask_level=cfg.off_policy_mask_level)
+    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
+    want_entropy = cfg.entropy_coef != 0.0
+    fused = cfg.fused_kernels and cfg.policy_loss_kind in ppo_kernels.LOSS_KINDS
+
+    def fused_head(hidden, weight):
+        weighted = advantages if off_weights is None else advantages * off_weights  # w_t A_t
+        return ppo_kernels.linear_policy_loss(
+            hidden, weight, labels, old_logprobs, weighted, response_mask, loss_kind=cfg.policy_loss_kind,
+            temperature=cfg.temperature, **clip, **agg, ref_logp=ref_logprobs if kl_in_loss else None,
+            kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
+
+    def logprob_head(hidden, weight):  # -> (log-probs [b, R], entropy [b, R] or None), with gradient
+        if cfg.fused_kernels:
+            B, R, H = hidden.shape
+            out = ppo_kernels.linear_token_logprobs(hidden.reshape(B * R, H), weight, labels.reshape(B * R),
+                                                    temperature=cfg.temperature, return_entropy=want_entropy)
+            return (out[0].view(B, R), out[1].view(B, R)) if want_entropy else (out.view(B, R), None)
+        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
+        out = ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature, return_entropy=want_entropy)
+        return out if want_entropy else (out, None)
+
+    if fused:
+        # the KL and entropy terms are inside
+        loss, stats = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, fused_head,
+                                    batch.packed)
+        logp = stats["logp"]  # detached; the KL term's value is reported separately below
+    else:
+        logp, entropy = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, logprob_head,
+                                      batch.packed)
+        policy_loss_fn = algo.policy_loss_function(cfg.policy_loss_kind)  # the one place a loss kind is chosen
+        loss, stats = policy_loss_fn(logp, old_logprobs, advantages, response_mask, **clip, weights=off_weights, **agg)
+        if want_entropy:
+            # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
+            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, response_mask, agg["agg"],
+                                                            num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+            stats["entropy"] = algo.masked_mean(entropy.detach(), response_mask)
+    kl_loss = torch.zeros((), device=batch.input_ids.device)  # on the loop's device: stacked with the losses below
+    if kl_in_loss:
+        kl_loss = algo.aggregate(algo.kl_estimate(logp.detach(), ref_logprobs, cfg.kl_loss_kind), response_mask,
+                                 agg["agg"], num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+        if not fused:
+            loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logprobs, cfg.kl_loss_kind), response_mask,
+                                                   agg["agg"], num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+    if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
+        stats["behav_gap"] = off_stats["behav_gap_mean"]
+        stats["behav_gap_max"] = off_stats["behav_gap_max"]
+        stats["corrected_frac"] = off_stats[CORRECTED_FRAC[cfg.off_policy_correction]]
+    # reported: the surrogate (minus the entropy bonus when on) without the KL term, which is reported apart
+    pg_loss = loss.detach() - kl_coef * kl_loss if kl_in_loss else loss.detach()
+    return loss, pg_loss, kl_loss.detach(), stats
+
+
+# the share of tokens each off-policy correction truncates or drops, as ppo_core.algo's weight functions name it
+CORRECTED_FRAC = {"tis": "truncated_frac", "decoupled": "filtered_frac", "icepop": "masked_frac"}
+
+
+def _read_step_stats(sums, counts, ratio_devs):
+    """The optimizer step's one read of statistics: sums, the token count and the maxima copied to the host together.
+    -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev, behaviour gap max)) as Python
+    floats."""
+    host = torch.cat([sums, counts[:1].double(), ratio_devs.double()]).tolist()
+    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-3:])
+
+
+def _append(stats, key, value):
+    stats.setdefault(key, []).append(value)
+
+
 def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
     """The MB_STATS and norms that this configuration does not compute."""
     unused = []
@@ -249,104 +387,7 @@ def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
     return unused
 
 
-def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: PPOConfig, kl_coef, autocast,
-                        train_policy=True):
-    """Forward and backward of policy and critic over this process's rows of one minibatch, in n_micro micro-batches:
-    chunks, CPU index tensors of rows (a process with fewer than n_micro runs row 0 with no token in the loss:
-    gradient 0), each padded to the rollout's width or, with cfg.micro_batch_tokens, packed (ppo_core.data.packing);
-    gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
-    (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
-
-    Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
-    float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
-    global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
-    sequence counts) and ratio_devs [3] (max |ratio - 1| of the processes' first micro-batches, and of all of them;
-    the largest behaviour gap |log pi_old - log mu|, 0 without an off-policy correction)."""
-    device, P = rollout.input_ids.device, rollout.prompt_len
-    mask_mb = rollout.response_mask[torch.cat(chunks)] if chunks else rollout.response_mask[:0]
-    # Global denominators for the whole minibatch, so the micro-batch losses of all processes
-    # add up to the minibatch's loss (and their gradients to its gradient).
-    counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
-    agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
-    sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
-    zero = torch.zeros((), device=device)
-    first_ratio_dev, max_ratio_dev, max_gap = None, zero, zero
-    for i in range(n_micro):
-        rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
-        ids, am, rm = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
-        if i >= len(chunks):
-            rm = torch.zeros_like(rm)
-        packed = pack_rows(ids, rollout.host_mask[rows], P) if cfg.micro_batch_tokens else None
-        last = i == n_micro - 1
-        n = rm.sum()
-        pg_loss = kl_loss = vf_loss = zero
-        pg_stats, vf_stats = {}, {}
-        if train_policy:
-            with dist.gradient_sync(policy, last):
-                with autocast():
-                    loss, pg_loss, kl_loss, pg_stats = policy_objective(
-                        policy, ids, am, rm, rollout.old_logprobs[rows], rollout.advantages[rows],
-                        rollout.ref_logprobs[rows], P, cfg, kl_coef, agg, packed,
-                        None if rollout.behav_logprobs is None else rollout.behav_logprobs[rows])
-                loss.backward()
-            if first_ratio_dev is None:
-                first_ratio_dev = pg_stats["ratio_max_dev"].detach()
-            max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
-            if "behav_gap_max" in pg_stats:
-                max_gap = torch.maximum(max_gap, pg_stats["behav_gap_max"].detach())
-        if critic is not None:
-            with dist.gradient_sync(critic, last):
-                with autocast():
-                    values = response_values(critic, ids, am, P, packed).float()
-                vf_loss, vf_stats = algo.value_loss(values, rollout.old_values[rows], rollout.returns[rows], rm,
-                                                    clip=cfg.value_clip or None, **agg)
-                vf_loss.backward()
-        sums += torch.stack([pg_loss, vf_loss.detach(), kl_loss] + [
-            (vf_stats if name.startswith("value/") else pg_stats).get(_STAT_KEYS[name], zero) * n for name in MB_STATS[3:]
-        ]).double()
-    if first_ratio_dev is None:
-        first_ratio_dev = zero
-    return (dist.all_reduce_sum(sums), counts,
-            dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev, max_gap.to(max_ratio_dev.dtype)])))
-
-
-def every_process_rows(rollout: Rollout) -> Rollout:
-    """The rollout with every process's rows, in rank order (one process: the rollout itself): what the packed update
-    splits across processes by token count (ppo_update). Per-row tensors only; prompts, responses and scores stay
-    each process's own."""
-    if dist.world_size() == 1:
-        return rollout
-    tensors = {name: dist.all_gather_rows(getattr(rollout, name))
-               for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs", "old_values",
-                            "entropy", "advantages", "returns", "behav_logprobs") if getattr(rollout, name) is not None}
-    return dataclasses.replace(rollout, **tensors, host_mask=tensors["attention_mask"].cpu())
-
-
-def _read_step_stats(sums, counts, ratio_devs):
-    """The optimizer step's one read of statistics: sums, the token count and the maxima copied to the host together.
-    -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev, behaviour gap max)) as Python
-    floats."""
-    host = torch.cat([sums, counts[:1].double(), ratio_devs.double()]).tolist()
-    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-3:])
-
-
-# the statistics summed over micro-batches and processes; the last ones are masked means times the token count
-MB_STATS = ("policy/loss", "value/loss", "policy/kl_loss", "policy/clipfrac", "policy/dual_clipfrac",
-            "policy/approx_kl", "policy/ratio_mean", "policy/entropy", "value/clipfrac", "value/values_mean",
-            "off_policy/behav_gap_mean", "off_policy/corrected_frac")
-MB_STATS_PER_TOKEN = (False, False, False, True, True, True, True, True, True, True, True, True)
-# the share of tokens each off-policy correction truncates or drops, as ppo_core.algo's weight functions name it
-CORRECTED_FRAC = {"tis": "truncated_frac", "decoupled": "filtered_frac", "icepop": "masked_frac"}
-# their keys in policy_loss's / value_loss's stats
-_STAT_KEYS = {"policy/clipfrac": "clipfrac", "policy/dual_clipfrac": "dual_clipfrac", "policy/approx_kl": "approx_kl",
-              "policy/ratio_mean": "ratio_mean", "policy/entropy": "entropy", "value/clipfrac": "clipfrac",
-              "value/values_mean": "values_mean", "off_policy/behav_gap_mean": "behav_gap",
-              "off_policy/corrected_frac": "corrected_frac"}
-
-
-def _append(stats, key, value):
-    stats.setdefault(key, []).append(value)
-
+# ---------------------------------------------------------------------------- the optimizer step
 
 class NonFiniteUpdates(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
@@ -426,3 +467,12 @@ class Optimizers:
         self.zero_grad()
         self.step_count += 1
         return dict(zip(names, host_norms))
+
+
+def lr_at(step, total_steps, cfg: PPOConfig):
+    """The LR multiplier at optimizer step `step` (0-based) of total_steps: linear warm-up to the peak at step
+    warmup_steps - 1, then cosine decay that reaches min_lr_ratio at the last step, total_steps - 1."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

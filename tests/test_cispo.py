@@ -316,7 +316,7 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     from ppo_core.rollout import response_logprobs, sample_responses
     from ppo_core.data.tasks import eval_prompts
     from ppo_core.models.tokenizer import load_tokenizer
-    from ppo_core.update import policy_objective
+    from ppo_core.update import MicroBatch, policy_objective
 
     calls = []
     real = ppo_kernels.linear_policy_loss
@@ -340,8 +340,9 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     for fused in ("true", "false"):
         cfg = build_config({}, {**knobs, "fused_kernels": fused})
         policy.zero_grad()
-        loss, pg_loss, kl_loss, stats = policy_objective(policy, ids, am, rm, old, adv, ref, P, cfg, 0.2, agg,
-                                                         behav_logp=behav)
+        batch = MicroBatch(input_ids=ids, attention_mask=am, response_mask=rm, prompt_len=P, old_logprobs=old,
+                           advantages=adv, ref_logprobs=ref, behav_logprobs=behav)
+        loss, pg_loss, kl_loss, stats = policy_objective(policy, batch, cfg, 0.2, agg)
         loss.backward()
         results[fused] = (loss.item(), pg_loss.item(), kl_loss.item(), stats["clipfrac"].item(),
                           stats["corrected_frac"].item(), {n: p.grad.clone() for n, p in policy.named_parameters()})

@@ -393,7 +393,7 @@ def test_engine_decodes_through_the_triton_kernel_as_on_a_gpu(name, monkeypatch)
     """PPO_KERNELS_BACKEND=triton: the engine's single-token attention runs the paged decode kernel (in Triton's
     interpreter here), reading the block tables and sequence lengths it is given (OLMo 3: a window of 5 over
     blocks of 4, in its own pool); the same tokens as the padded reference."""
-    import ppo_core.engine as engine_module
+    import ppo_core.engine.rollout_engine as engine_module
 
     monkeypatch.setenv("PPO_KERNELS_BACKEND", "triton")
     calls = []

@@ -22,7 +22,7 @@ from ppo_core.rewards.source import make_reward_source
 from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, response_logprobs, sample_responses
 from ppo_core.data.tasks import PromptStream, eval_prompts, reverse_reward
 from ppo_core.models.tokenizer import load_tokenizer
-from ppo_core.update import compute_advantages, lr_at, policy_objective
+from ppo_core.update import MicroBatch, compute_advantages, lr_at, policy_objective
 
 from test_resume import DRIVER
 from test_tokenizer import write_word_level
@@ -320,7 +320,9 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
         cfg = build_config({}, {**knobs, "fused_kernels": fused, "rollout_batch_size": "6", "minibatch_size": "6",
                                 "micro_batch_size": "6"})
         policy.zero_grad()
-        loss, pg_loss, kl_loss, stats = policy_objective(policy, ids, am, rm, old, adv, ref, P, cfg, 0.2, agg)
+        batch = MicroBatch(input_ids=ids, attention_mask=am, response_mask=rm, prompt_len=P, old_logprobs=old,
+                           advantages=adv, ref_logprobs=ref)
+        loss, pg_loss, kl_loss, stats = policy_objective(policy, batch, cfg, 0.2, agg)
         loss.backward()
         results.append((loss.item(), pg_loss.item(), kl_loss.item(), stats["entropy"].item(),
                         {n: p.grad.clone() for n, p in policy.named_parameters()}))
@@ -353,7 +355,8 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     am, rm = torch.ones_like(ids, dtype=torch.bool), torch.ones(2, 3)
     zeros = torch.zeros(2, 3)
     agg = dict(agg="token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(2.0))
-    policy_objective(policy, ids, am, rm, zeros, zeros + 1, zeros, 2, cfg, 0.1, agg)
+    policy_objective(policy, MicroBatch(input_ids=ids, attention_mask=am, response_mask=rm, prompt_len=2,
+                                        old_logprobs=zeros, advantages=zeros + 1, ref_logprobs=zeros), cfg, 0.1, agg)
     line = loss_paths(cfg, "cpu")
     policy_part = line.split(";")[0]
     assert calls == kernels_called, calls

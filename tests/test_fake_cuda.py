@@ -97,10 +97,13 @@ def fake_cuda_autocast(dtype=torch.bfloat16):
 
 
 def _caller():
-    """'file.py:function' of the innermost ppo_core or ppo_kernels frame on the stack (where a host read is)."""
+    """'file.py:function' of the innermost ppo_core or ppo_kernels frame on the stack (where a host read is); a file in
+    a subpackage as 'engine/rollout_engine.py:function', so that the loop's own files are told apart from the rest."""
     for frame in inspect.stack(context=0)[2:]:
-        if os.path.dirname(os.path.abspath(frame.filename)) in (PPO_CORE, KERNELS):
-            return f"{os.path.basename(frame.filename)}:{frame.function}"
+        path = os.path.abspath(frame.filename)
+        for root in (PPO_CORE, KERNELS):
+            if path.startswith(root + os.sep):
+                return f"{os.path.relpath(path, root).replace(os.sep, '/')}:{frame.function}"
     return "?"
 
 
