@@ -161,3 +161,18 @@ def test_nothing_below_the_top_imports_the_loop():
         f"{a} -> {b}" for a, b in sorted(arrows - KNOWN_ARROWS_INTO_THE_LOOP))
     assert not KNOWN_ARROWS_INTO_THE_LOOP - arrows, ("gone, so take them out of KNOWN_ARROWS_INTO_THE_LOOP: "
                                                      + ", ".join(f"{a} -> {b}" for a, b in sorted(KNOWN_ARROWS_INTO_THE_LOOP - arrows)))
+
+
+def test_a_spec_naming_a_module_by_its_place_before_the_move_still_loads():
+    """Configs written before the move name reward functions by the old flat path: each of MOVED_MODULES' old names
+    resolves to a module that exists, and a shipped reward function loads under both names as the same object."""
+    import importlib
+
+    from ppo_core.rewards.functions import MOVED_MODULES, import_callable
+
+    for old, new in MOVED_MODULES.items():
+        assert not os.path.exists(os.path.join(PACKAGES["ppo_core"], old + ".py")), f"ppo_core/{old}.py is back"
+        importlib.import_module(f"ppo_core.{new}")
+    new_fn = import_callable("ppo_core.rewards.verifiers:last_number_reward")
+    assert import_callable("ppo_core.verifiers:last_number_reward") is new_fn
+    assert import_callable("ppo_core.tasks:reverse_rewards") is import_callable("ppo_core.data.tasks:reverse_rewards")

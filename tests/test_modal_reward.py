@@ -76,7 +76,7 @@ def test_settings_from_the_environment(monkeypatch):
     (dict(PPO_MODAL_REWARD_MIN_CONTAINERS="5"), "MIN_CONTAINERS=5 is more than PPO_MODAL_REWARD_MAX_CONTAINERS=4"),
     (dict(PPO_MODAL_REWARD_ARGS="--reward_model /vol/models/rm --port 9000"), "--port is set by scripts/modal_reward"),
     (dict(PPO_MODAL_REWARD_ARGS="--host=127.0.0.1"), "--host is set by scripts/modal_reward"),
-    (dict(PPO_MODAL_REWARD_ARGS="--reward_fn 'rewards/interface.py:score"), "PPO_MODAL_REWARD_ARGS: No closing quotation"),
+    (dict(PPO_MODAL_REWARD_ARGS="--reward_fn 'rewards.py:score"), "PPO_MODAL_REWARD_ARGS: No closing quotation"),
 ])
 def test_bad_settings_name_the_variable(monkeypatch, env, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
