@@ -137,7 +137,9 @@ def run(cfg: PPOConfig, resume_from=None):
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
                 if workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
-                    sampled, group, filter_stats = workers.rollout(it, state)
+                    share, worker_stats = workers.rollout(it, state)
+                    sampled, group, filter_stats = sampled_from_state(share, device)
+                    filter_stats.update(worker_stats)
                     rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast)
                     ended = sampled.ended
                 elif cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
@@ -201,8 +203,12 @@ def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
         reference = load_model(cfg.reference or policy_path, dtype=precision.param_dtype, device=device).eval()
     reward_source = make_reward_source(cfg, device, precision.param_dtype)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # reseeded per iteration by iteration_rollout
-    rollout_worker.serve(cfg, policy, reference, tokenizer, stream, reward_source, sample_gen, precision.autocast,
-                         wire_autocast(precision))
+    def sample(it):  # the loop's rollout, steps 1-2, this worker's rows, for the wire
+        sampled, group, stats = iteration_rollout(it, stream, policy, reference, None, tokenizer, reward_source, cfg,
+                                                  sample_gen, precision.autocast, sample_only=True)
+        return sampled_state(sampled, group, stats, lists=False)
+
+    rollout_worker.serve(cfg, policy, stream, sample, wire_autocast(precision))
     dist.job_barrier()  # until the trainers are done too (run)
     return {}
 

@@ -140,10 +140,9 @@ def test_bench_and_scripts_use_no_underscore_helpers_of_the_packages():
 TOP_LEVEL = {"__init__", "train", "config", "algo", "update", "rollout"}
 # The loop: what only the top level may import.
 LOOP = {"ppo_core.train", "ppo_core.rollout", "ppo_core.update"}
-# Arrows from below into the loop that the code had when the layout moved (issue 39 item 2), each named here to be
-# removed, never added to: the rollout worker runs the loop's rollout half (rollout.iteration_rollout and the
-# Sampled state helpers) in a process of its own.
-KNOWN_ARROWS_INTO_THE_LOOP = {("ppo_core.run.rollout_worker", "ppo_core.rollout")}
+# Arrows from below into the loop, each named here to be removed, never added to (none now: the rollout worker is
+# handed the loop's rollout by ppo_core.train.serve_rollouts instead of importing it).
+KNOWN_ARROWS_INTO_THE_LOOP = set()
 
 
 def test_the_top_level_holds_the_researchers_files_and_the_subpackages():

@@ -42,7 +42,6 @@ import torch.distributed as torch_dist
 
 from . import distributed as dist
 from ..models.model import Linear
-from ..rollout import iteration_rollout, sampled_from_state, sampled_state
 
 
 # ---------------------------------------------------------------------------- messages
@@ -283,8 +282,10 @@ class RolloutClient:
 
     def rollout(self, it, state):
         """Iteration it's rollout, this trainer's rows of it: in hand (max_staleness=1) or received now.
-        -> (Sampled, group, stats); stats["off_policy/staleness"]: how many updates behind the weights it was sampled
-        with are (the workers number their weights by the iteration they start; never more than max_staleness)."""
+        -> (its state, as ppo_core.rollout.sampled_state wrote it: the caller decodes it with sampled_from_state, so
+        that nothing here imports the loop; the stats it adds). stats["off_policy/staleness"]: how many updates behind
+        the weights it was sampled with are (the workers number their weights by the iteration they start; never more
+        than max_staleness)."""
         waiting = time.perf_counter()
         if self.first:
             pending = state.pop("pending_rollout", None)
@@ -302,12 +303,11 @@ class RolloutClient:
             message = recv_message(0)
             self.stream.load_state_dict(message["stream"])
             mine, idle, pending, staleness = message["rollout"], None, None, message["staleness"]
-        sampled, group, stats = sampled_from_state(mine, self.device)
-        stats = dict(stats, **{"time/trainer_wait_s": time.perf_counter() - waiting if pending is None else 0.0,
-                               "off_policy/staleness": staleness})
+        stats = {"time/trainer_wait_s": time.perf_counter() - waiting if pending is None else 0.0,
+                 "off_policy/staleness": staleness}
         if idle is not None:
             stats["time/worker_idle_s"] = idle
-        return sampled, group, stats
+        return mine, stats
 
     def after_update(self, it, state) -> dict:
         """The update of iteration it is done: the workers get the new weights (if they sample again); with
@@ -333,11 +333,12 @@ class RolloutClient:
 
 # ---------------------------------------------------------------------------- the workers' side
 
-def serve(cfg, policy, reference, tokenizer, stream, reward_source, sample_gen, autocast, autocast_dtype):
+def serve(cfg, policy, stream, sample, autocast_dtype):
     """A worker's loop: sample and score its rows of each iteration's rollout (the workers split the rows as
     data-parallel processes do) with the latest weights it has, send them, take new weights, in the order of this
     module's docstring. Returns when the run's last rollout is sent. `policy` is overwritten by the trainer's
-    weights before anything is sampled."""
+    weights before anything is sampled. sample(it) -> iteration it's rows as a sampled_state (lists=False): the
+    loop's own rollout (ppo_core.train.serve_rollouts passes it), so that nothing here imports the loop."""
     trainer = dist.global_rank(0, "train", cfg.rollout_ranks)
     wire, updated = wire_dtypes(policy, autocast_dtype), updated_names(policy)
     start = recv_message(trainer)
@@ -351,9 +352,7 @@ def serve(cfg, policy, reference, tokenizer, stream, reward_source, sample_gen, 
             receive_weights(policy, wire, updated)
             version += 1
             idle = time.perf_counter() - waiting
-        sampled, group, stats = iteration_rollout(it, stream, policy, reference, None, tokenizer, reward_source, cfg,
-                                                  sample_gen, autocast, sample_only=True)
-        send_message({"rollout": sampled_state(sampled, group, stats, lists=False), "stream": stream.state_dict(),
+        send_message({"rollout": sample(it), "stream": stream.state_dict(),
                       "worker_idle_s": idle, "weights_version": version}, trainer)
         if cfg.max_staleness and it > start["start"]:
             # the trainer sent iteration it's weights just before it took this rollout (after the update of it-1):
