@@ -213,9 +213,9 @@ def attention_passes(ckpt, device, batch, prompt_len, new):
         agg = dict(agg=cfg.loss_agg, num_tokens=response_mask.sum(), num_seqs=torch.tensor(float(batch), device=device))
         try:
             with autocast():
-                batch = MicroBatch(input_ids=ids, attention_mask=am, response_mask=response_mask, prompt_len=P,
+                micro = MicroBatch(input_ids=ids, attention_mask=am, response_mask=response_mask, prompt_len=P,
                                    old_logprobs=old, advantages=adv, ref_logprobs=old)
-                loss, *_ = policy_objective(policy, batch, cfg, 0.0, agg)
+                loss, *_ = policy_objective(policy, micro, cfg, 0.0, agg)
             loss.backward()
             with autocast():
                 values = response_values(critic, ids, am, P).float()

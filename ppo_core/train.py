@@ -554,6 +554,15 @@ def resume_point(stream, generators, opts):
     return restore
 
 
+# What the loop keeps in a checkpoint's trainer_state.json beside ppo_core.run.checkpoint's own keys, checked on
+# resume (checkpoint.STATE_SCHEMA's form: a type, a nested dict, [type] for a list; a '?' key may be absent).
+NUMBER = (int, float)
+TRAINER_STATE = {"optimizer_step": int, "skipped_updates": int, "kl_controller": {"value": NUMBER},
+                 "prompt_stream": {"seed": int, "drawn": int}, "eval_before": NUMBER, "eval_before_greedy": NUMBER,
+                 "last_kl": NUMBER, "last_kl_k3?": NUMBER, "elapsed_s?": NUMBER, "pending_metrics?": dict,
+                 "pending_rollout?": dict}
+
+
 class Checkpoints:
     """The run's checkpoints: saving one, resuming from one, and the early stops, which save one where there is
     something to save and raise what main() turns into the exit status the README documents.
@@ -582,6 +591,7 @@ class Checkpoints:
         self.state.update(checkpoint.load_training_state(ckpt, policy=self.policy, critic=self.critic,
                                                          policy_opt=opts.policy_opt, critic_opt=opts.critic_opt,
                                                          generators=self.generators, sharded=self.sharded))
+        checkpoint.check_state(self.state, TRAINER_STATE, ckpt)  # the loop's own keys, before any is used
         opts.step_count, opts.skipped = self.state["optimizer_step"], self.state["skipped_updates"]
         self.kl_ctl.load_state_dict(self.state["kl_controller"])
         self.stream.load_state_dict(self.state["prompt_stream"])

@@ -405,15 +405,12 @@ def resume_checkpoint(run_path):
     raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(refused))
 
 
-# The form of trainer_state.json: a key -> a type (int means int, not bool), a tuple of types, a nested
-# schema (dict) or [type] for a list of them; a key ending in '?' may be absent (older versions lack it).
+# The form of trainer_state.json's own keys, those save_checkpoint writes: a key -> a type (int means int, not bool),
+# a tuple of types, a nested schema (dict) or [type] for a list of them; a key ending in '?' may be absent (older
+# versions lack it). The caller's `state` keys are the caller's to check (check_state; ppo_core.train.TRAINER_STATE).
 NUMBER = (int, float)
 STATE_SCHEMA = {
-    "step": int, "optimizer_step": int, "skipped_updates": int,
-    "kl_controller": {"value": NUMBER},
-    "prompt_stream": {"seed": int, "drawn": int},
-    "eval_before": NUMBER, "eval_before_greedy": NUMBER, "last_kl": NUMBER, "last_kl_k3?": NUMBER,
-    "elapsed_s?": NUMBER, "manifest?": str, "pending_metrics?": dict, "pending_rollout?": dict,
+    "step": int, "manifest?": str,
     "python_rng": {"version": int, "internal": [int], "gauss": (float, type(None))},
     "numpy_rng": {"name": str, "keys": [int], "pos": int, "has_gauss": int, "cached": NUMBER},
 }
@@ -453,10 +450,16 @@ def read_state(path) -> dict:
             state = json.load(f)
     except (OSError, ValueError) as e:  # ValueError: not JSON, truncated, not UTF-8
         raise CheckpointError(f"{state_path}: cannot read ({e})") from None
-    error = _schema_error(state, STATE_SCHEMA, "")
-    if error:
-        raise CheckpointError(f"{state_path}: {error}")
+    check_state(state, STATE_SCHEMA, path)
     return state
+
+
+def check_state(state: dict, schema: dict, path):
+    """CheckpointError naming checkpoint `path`'s trainer_state.json and the key where `state` departs from `schema`
+    (STATE_SCHEMA's form)."""
+    error = _schema_error(state, schema, "")
+    if error:
+        raise CheckpointError(f"{os.path.join(path, STATE_FILE)}: {error}")
 
 
 def clean_partial_saves(run_path):
