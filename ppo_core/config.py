@@ -778,8 +778,8 @@ def _type_name(kind) -> str:
     return kind.__name__
 
 
-def _show_default(value) -> str:
-    """A default as one would type it after --key=."""
+def show_default(value) -> str:
+    """A default as one would type it after --key= (a list comma-separated); --help and docs/configuration.md."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list):
@@ -802,7 +802,7 @@ def help_text() -> str:
         if field_section != section:
             section = field_section
             out.append(f"\n{section}:" if out else f"{section}:")
-        out.append(f"  --{name} ({_type_name(FIELDS[name].type)}, default {_show_default(getattr(defaults, name))})")
+        out.append(f"  --{name} ({_type_name(FIELDS[name].type)}, default {show_default(getattr(defaults, name))})")
         out.extend(textwrap.wrap(first_sentence(doc), width=110, initial_indent=" " * 6, subsequent_indent=" " * 6,
                                  break_on_hyphens=False))
     return "\n".join(out)

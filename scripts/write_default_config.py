@@ -12,7 +12,7 @@ import typing
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from ppo_core.config import PPOConfig, field_docs  # noqa: E402
+from ppo_core.config import PPOConfig, field_docs, show_default  # noqa: E402
 
 DEFAULT_TOML = os.path.join(ROOT, "configs", "default.toml")
 CONFIG_DOC = os.path.join(ROOT, "docs", "configuration.md")
@@ -79,17 +79,6 @@ def type_name(kind) -> str:
     return getattr(kind, "__name__", str(kind))
 
 
-def shown_default(value) -> str:
-    """A default as one would type it after --key= (a list comma-separated)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value) or '""'
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
-
-
 def render_doc():
     """docs/configuration.md: the fields by section, in the order of PPOConfig, each with its type, default and
     docstring."""
@@ -105,7 +94,7 @@ def render_doc():
             section = field_section
             out.append(f"## {section}\n")
         text = " ".join(doc.split())
-        out.append(f"- **`{name}`** ({type_name(types[name])}, default `{shown_default(getattr(cfg, name))}`): {text}")
+        out.append(f"- **`{name}`** ({type_name(types[name])}, default `{show_default(getattr(cfg, name))}`): {text}")
         if docs_next_is_new_section(docs, name):
             out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
