@@ -42,6 +42,7 @@ three reports. A directory without summary.json counts as a failed run. Bad argu
 """
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import itertools
 import json
@@ -56,7 +57,9 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppo_core.config import ADV_ESTIMATORS, GROUP_ESTIMATORS, ConfigError, build_config, load_toml, parse_cli  # noqa: E402
+from ppo_core.config import (ADV_ESTIMATORS, GROUP_ESTIMATORS, ConfigError, PPOConfig, build_config, load_toml,  # noqa: E402
+                             parse_cli)
+from ppo_core.rewards.functions import MOVED_MODULES  # noqa: E402
 
 DEFAULT_ESTIMATORS = "gae,grpo,rloo,reinforce_pp"
 # ppo-train keys compare.py sets itself for every run: extra args may not change them
@@ -209,6 +212,24 @@ def run_plan(args):
 PER_RUN_KEYS = ("seed", "out", "threads", "progress")
 
 
+def as_written_today(config: dict) -> dict:
+    """A run's config.json "config" as this version would write it: keys added since the run was made take their
+    defaults (which reproduce the older behaviour: ppo_core.config's docstrings), and reward specs naming a module by
+    its place before the subpackages (ppo_core.verifiers:f) name it where it is now (ppo_core.rewards.verifiers:f), so
+    that runs made before and after such a change compare as the same variant."""
+    out = {**dataclasses.asdict(PPOConfig()), **config}
+    out["reward_fn"] = [moved_spec(spec) for spec in out["reward_fn"]]
+    out["eval_reward_fn"] = moved_spec(out["eval_reward_fn"])
+    return out
+
+
+def moved_spec(spec):
+    """'ppo_core.verifiers:f' -> 'ppo_core.rewards.verifiers:f' (MOVED_MODULES); any other spec as it is."""
+    module, sep, attr = spec.rpartition(":")
+    moved = MOVED_MODULES.get(module.removeprefix("ppo_core.")) if module.startswith("ppo_core.") else None
+    return f"ppo_core.{moved}{sep}{attr}" if moved else spec
+
+
 def collected_runs(dirs):
     """--from_runs: the runs of finished run directories, as run_plan and execute describe them (returncode 0 where
     summary.json exists, wall_s its time/total_s), one variant per estimator. Raises ArgumentError for a directory
@@ -220,6 +241,7 @@ def collected_runs(dirs):
                 config = json.load(f)["config"]
         except (OSError, ValueError, KeyError) as e:
             raise ArgumentError(f"{run_dir}: not a ppo-train run directory ({e})") from None
+        config = as_written_today(config)
         est = config["adv_estimator"]
         shared = {k: v for k, v in config.items() if k not in PER_RUN_KEYS}
         if configs.setdefault(est, shared) != shared:

@@ -207,3 +207,30 @@ def test_from_runs_reports_finished_runs_as_the_comparison_did(comparison, tmp_p
     (other / "config.json").write_text(json.dumps(config))
     proc = compare("--out", str(tmp_path / "bad"), "--from_runs", dirs[0], str(other))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "differ in more than the seed: lr" in proc.stderr
+
+
+def test_from_runs_reads_runs_written_by_an_older_version(comparison, tmp_path):
+    """A run made before a config key existed (its config.json lacks the key) or before the reward modules moved into
+    ppo_core/rewards/ (ppo_core.verifiers:f) is the same variant as one made today with the key's default and the new
+    path; a key missing on one side but set to another value than its default on the other still differs."""
+    import shutil
+    out, _ = comparison
+    dirs = sorted(d for d in out.iterdir() if d.name.startswith("gae-"))
+    old, new = tmp_path / "old-seed0", tmp_path / "new-seed1"
+    for src, dst, spec in ((dirs[0], old, "ppo_core.verifiers:last_number_reward"),
+                           (dirs[1], new, "ppo_core.rewards.verifiers:last_number_reward")):
+        shutil.copytree(src, dst)
+        config = read_json(dst / "config.json")
+        config["config"]["reward_fn"] = [spec]
+        if dst == old:
+            del config["config"]["stop_grace_s"], config["config"]["max_tool_calls_per_turn"]
+        (dst / "config.json").write_text(json.dumps(config))
+    proc = compare("--out", str(tmp_path / "report"), "--from_runs", str(old), str(new))
+    assert proc.returncode == 0, proc.stderr
+    assert read_json(tmp_path / "report" / "compare.json")["seeds"] == [0, 1]
+
+    config = read_json(new / "config.json")
+    config["config"]["stop_grace_s"] = 5.0
+    (new / "config.json").write_text(json.dumps(config))
+    proc = compare("--out", str(tmp_path / "bad"), "--from_runs", str(old), str(new))
+    assert proc.returncode == 2 and "differ in more than the seed: stop_grace_s" in proc.stderr
