@@ -482,6 +482,28 @@ def per_sequence_bf16(q, k, v, seq_lens, window):
     return torch.cat(outputs)
 
 
+@pytest.mark.parametrize("window, bf16", [(None, False), (None, True), (16, False)])
+def test_cpu_packed_attention_groups_lengths_with_the_bits_of_one_call_per_sequence(window, bf16):
+    """On the CPU packed_attention runs the sequences of one length as one batched SDPA call; the fused kernel computes
+    each (sequence, head) alone, so output and gradients are bit-identical to one call per sequence (float32, and bf16
+    inputs under autocast, where attention computes in float32), lengths repeated and not, one longer than the
+    window, GQA 9/3 at SmolLM2's head size."""
+    seq_lens, hs = [60, 58, 60, 71, 58, 60, 47, 1, 16, 17, 60], 64
+    g = torch.Generator().manual_seed(7)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    inputs = [torch.randn(sum(seq_lens), h, hs, generator=g).to(dtype) for h in (9, 3, 3)]
+    upstream = torch.randn(sum(seq_lens), 9, hs, generator=g)
+    results = []
+    for attend in (packed_attention, per_sequence_bf16):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = attend(*leaves, seq_lens, window)
+        out.float().backward(upstream)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for name, got, want in zip(["out", "dq", "dk", "dv"], *results):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
 @needs_cuda
 @pytest.mark.parametrize("window", [None, 16])
 def test_varlen_flash_attention_on_cuda_matches_the_float64_reference(window):

@@ -626,27 +626,36 @@ def packed_attention(q, k, v, seq_lens, window=None, cu_seqlens=None):
     N; window: a query at place t of its sequence sees only t-window+1..t (None: all of 0..t); cu_seqlens: [S+1]
     int32 on q's device, the running sum of seq_lens from 0 (made here when not given). -> [N, nh, hs].
 
-    The reference, which runs everywhere: one `attention` call per sequence (causal, no mask, so a fused SDPA
-    kernel; a window mask where the sequence is longer than the window). On the CPU this measured faster than one
-    call over the pack with a block-diagonal mask, which computes and stores all N^2 scores
-    (bench/ppo_step.py --attention). CUDA with 16-bit q: torch's variable-length flash attention, one kernel for the
-    whole pack (`varlen_flash_attention`), where the torch build has it."""
+    The reference, which runs everywhere: the sequences of one length as the batch of one causal `attention` call (no
+    mask, so a fused SDPA kernel, which computes each (sequence, head) alone: the same bits as one call per sequence,
+    tests/test_packing.py), a sequence longer than the window in a call of its own with a window mask. On the CPU
+    this measured faster than one call over the pack with a block-diagonal mask, which computes and stores all N^2
+    scores (bench/ppo_step.py --attention), and than one call per sequence (a rollout's packs have few distinct
+    lengths: bench/results/smollm2-addition.md). CUDA with 16-bit q: torch's variable-length flash attention, one
+    kernel for the whole pack (`varlen_flash_attention`), where the torch build has it."""
     if q.is_cuda and _sdpa_dtype(q) in HALF and _varlen_attn() is not None:
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lens)), dtype=torch.int32, device=q.device)
         return varlen_flash_attention(q, k, v, cu_seqlens, max(seq_lens), window)
-    outputs, start = [], 0
-    for length in seq_lens:
-        rows = slice(start, start + length)
-        q_s, k_s, v_s = (t[rows].transpose(0, 1)[None] for t in (q, k, v))  # [1, nh|nkv, L, hs]
-        if window is not None and length > window:
+    if len(seq_lens) == 1 and (window is None or seq_lens[0] <= window):  # one sequence: no gather
+        return attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)[0].transpose(0, 1)
+    starts = list(itertools.accumulate([0] + list(seq_lens[:-1])))
+    calls = {}  # (length, windowed) -> the first rows of its sequences
+    for start, length in zip(starts, seq_lens):
+        calls.setdefault((length, window is not None and length > window), []).append(start)
+    rows, outputs = [], []
+    for (length, windowed), firsts in calls.items():
+        index = (torch.tensor(firsts)[:, None] + torch.arange(length)).reshape(-1).to(q.device)  # [G*L]
+        q_g, k_g, v_g = (t.index_select(0, index).unflatten(0, (len(firsts), length)).transpose(1, 2)
+                         for t in (q, k, v))  # [G, nh|nkv, L, hs]
+        if windowed:
             t = torch.arange(length, device=q.device)
-            y = attention(q_s, k_s, v_s, causal_window_mask(t, t, None, window))
+            y = attention(q_g, k_g, v_g, causal_window_mask(t, t, None, window))
         else:
-            y = attention(q_s, k_s, v_s, is_causal=True)
-        outputs.append(y[0].transpose(0, 1))  # [L, nh, hs]
-        start += length
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            y = attention(q_g, k_g, v_g, is_causal=True)
+        rows.append(index)
+        outputs.append(y.transpose(1, 2).flatten(0, 1))  # [G*L, nh, hs]
+    return torch.cat(outputs).index_select(0, torch.cat(rows).argsort())  # back in the pack's order
 
 
 @functools.cache
