@@ -121,21 +121,21 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
     B, R = response_mask.shape
     old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros(B, R, device=input_ids.device) for _ in range(4))
     chunks, n_real = scoring_micro_batches(host_mask, cfg)
-    for i, mb in enumerate(chunks):
-        packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
-        args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
-        with autocast():
+    with autocast():  # one region for every micro-batch: its cast cache holds one bf16 copy of the policy's weights
+        for i, mb in enumerate(chunks):
+            packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
+            args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
             if cfg.old_logprobs_from_rollout:
                 lp, ent = sampled.decode_logprobs[mb] * response_mask[mb], sampled.decode_entropy[mb] * response_mask[mb]
             else:
                 lp, ent = response_logprobs(policy, *args, packed=packed)
             ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
             v = response_values(critic, input_ids[mb], attention_mask[mb], P, packed) if critic is not None else None
-        if i >= n_real:  # a forward run only to match another process's count
-            continue
-        old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
-        if v is not None:
-            old_values[mb] = v.float()
+            if i >= n_real:  # a forward run only to match another process's count
+                continue
+            old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
+            if v is not None:
+                old_values[mb] = v.float()
     behav_logprobs = None
     if cfg.off_policy_correction != "none":  # the behaviour policy: what the sampler computed for its own tokens
         behav_logprobs = sampled.decode_logprobs * response_mask

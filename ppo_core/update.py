@@ -203,40 +203,50 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
     sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
     zero = torch.zeros((), device=device)
     first_ratio_dev, max_ratio_dev, max_gap = None, zero, zero
-    for i in range(n_micro):
-        rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
-        batch = micro_batch(rollout, rows, packed=bool(cfg.micro_batch_tokens), in_loss=i < len(chunks))
-        last = i == n_micro - 1
-        n = batch.response_mask.sum()
-        pg_loss = kl_loss = vf_loss = zero
-        pg_stats, vf_stats = {}, {}
-        if train_policy:
-            with dist.gradient_sync(policy, last):
-                with autocast():
+    # One autocast region for the whole minibatch: its cast cache keeps one bf16 copy of each trained weight for all
+    # the micro-batches (a region per micro-batch casts every weight again each time; the weights change only at
+    # the optimizer step). Backward runs with autocast off, as it would outside the region; same bits either way.
+    with autocast():
+        for i in range(n_micro):
+            rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
+            batch = micro_batch(rollout, rows, packed=bool(cfg.micro_batch_tokens), in_loss=i < len(chunks))
+            last = i == n_micro - 1
+            n = batch.response_mask.sum()
+            pg_loss = kl_loss = vf_loss = zero
+            pg_stats, vf_stats = {}, {}
+            if train_policy:
+                with dist.gradient_sync(policy, last):
                     loss, pg_loss, kl_loss, pg_stats = policy_objective(policy, batch, cfg, kl_coef, agg)
-                loss.backward()
-            if first_ratio_dev is None:
-                first_ratio_dev = pg_stats["ratio_max_dev"].detach()
-            max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
-            if "behav_gap_max" in pg_stats:
-                max_gap = torch.maximum(max_gap, pg_stats["behav_gap_max"].detach())
-        if critic is not None:
-            with dist.gradient_sync(critic, last):
-                with autocast():
+                    with autocast_off(device):
+                        loss.backward()
+                if first_ratio_dev is None:
+                    first_ratio_dev = pg_stats["ratio_max_dev"].detach()
+                max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
+                if "behav_gap_max" in pg_stats:
+                    max_gap = torch.maximum(max_gap, pg_stats["behav_gap_max"].detach())
+            if critic is not None:
+                with dist.gradient_sync(critic, last):
                     values = response_values(critic, batch.input_ids, batch.attention_mask, batch.prompt_len,
                                              batch.packed).float()
-                vf_loss, vf_stats = algo.value_loss(values, batch.old_values, batch.returns, batch.response_mask,
-                                                    clip=cfg.value_clip or None, **agg)
-                vf_loss.backward()
-        losses = {"policy/loss": pg_loss, "value/loss": vf_loss.detach(), "policy/kl_loss": kl_loss}
-        sums += torch.stack([
-            losses[name] if key is None else (vf_stats if name.startswith("value/") else pg_stats).get(key, zero) * n
-            for name, key in STEP_STATS.items()
-        ]).double()
+                    with autocast_off(device):
+                        vf_loss, vf_stats = algo.value_loss(values, batch.old_values, batch.returns,
+                                                            batch.response_mask, clip=cfg.value_clip or None, **agg)
+                        vf_loss.backward()
+            losses = {"policy/loss": pg_loss, "value/loss": vf_loss.detach(), "policy/kl_loss": kl_loss}
+            sums += torch.stack([
+                losses[name] if key is None else (vf_stats if name.startswith("value/") else pg_stats).get(key, zero) * n
+                for name, key in STEP_STATS.items()
+            ]).double()
     if first_ratio_dev is None:
         first_ratio_dev = zero
     return (dist.all_reduce_sum(sums), counts,
             dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev, max_gap.to(max_ratio_dev.dtype)])))
+
+
+def autocast_off(device):
+    """Autocast switched off inside a region that stays open (its cast cache kept): for backward passes and the
+    float32 work between a region's forwards."""
+    return torch.autocast(device.type, enabled=False)
 
 
 @dataclass

@@ -224,3 +224,55 @@ def test_ppo_train_logs_the_samplers_gap_under_an_off_policy_correction(tmp_path
     for line in (out / "metrics.jsonl").read_text().splitlines():
         metrics = json.loads(line)
         assert 0 <= metrics["off_policy/behav_gap_mean"] < 0.1 and 0 <= metrics["off_policy/corrected_frac"] <= 1
+
+
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_one_autocast_region_per_pass_gives_the_bits_of_one_region_per_micro_batch(fused):
+    """The scoring pass and the minibatch's forwards and backwards run in ONE bf16 autocast region, so that its cast
+    cache casts each trained weight once for all micro-batches. Against a plain loop that opens a region per
+    micro-batch (each weight cast again each time, backward outside the region): the same log-probs and the same
+    accumulated gradients, bit for bit, float32 models under CPU bf16 autocast (the run's dtype='bf16-mixed')."""
+    from ppo_core.data.packing import pack_rows, token_budget_micro_batches
+    from ppo_core.rollout import reference_logprobs, response_logprobs
+    from ppo_core.update import micro_batch, policy_objective
+
+    policy, reference, critic = (m.float() for m in models())
+    cfg = config(True, fused_kernels=str(fused).lower(), adv_estimator="gae")
+    rollout = rollout_forward(policy, reference, critic, sampled_batch(), torch.arange(B) // 2, cfg, bf16_autocast)
+    compute_advantages(rollout, cfg, 0.05, torch.ones(B, dtype=torch.bool))
+    fp32 = rollout_forward(policy, reference, None, sampled_batch(), torch.arange(B) // 2, cfg, contextlib.nullcontext)
+    assert not torch.equal(fp32.old_logprobs, rollout.old_logprobs)  # the bf16 matmuls took effect
+    lengths = rollout.host_mask.sum(-1).tolist()
+    chunks = [torch.tensor(rows) for rows in token_budget_micro_batches(list(range(B)), lengths, BUDGET)]
+    assert len(chunks) >= 3
+
+    # scoring: each micro-batch in a region of its own
+    with torch.no_grad():
+        for mb in chunks:
+            args = (rollout.input_ids[mb], rollout.attention_mask[mb], rollout.response_mask[mb], P, cfg.temperature,
+                    cfg.fused_kernels)
+            packed = pack_rows(rollout.input_ids[mb], rollout.host_mask[mb], P)
+            with bf16_autocast():
+                lp, ent = response_logprobs(policy, *args, packed=packed)
+                ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
+            assert torch.equal(lp.float(), rollout.old_logprobs[mb]) and torch.equal(ent.float(), rollout.entropy[mb])
+            assert torch.equal(ref_lp.float(), rollout.ref_logprobs[mb])
+
+    # the update's gradients: a region per micro-batch, backward after it, the minibatch's global token count
+    policy.zero_grad(set_to_none=True)
+    mask = rollout.response_mask
+    agg = dict(agg=cfg.loss_agg, num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum().float())
+    for rows in chunks:
+        with bf16_autocast():
+            loss, *_ = policy_objective(policy, micro_batch(rollout, rows, packed=True), cfg, 0.05, agg)
+        loss.backward()
+    want = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad(set_to_none=True)
+    minibatch_gradients(policy, None, rollout, chunks, len(chunks), cfg, 0.05, bf16_autocast)
+    assert any(p.grad.abs().sum() > 0 for p in policy.parameters())
+    for n, p in policy.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
