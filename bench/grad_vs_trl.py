@@ -50,6 +50,7 @@ from trl.trainer.utils import nanstd  # noqa: E402
 
 from bench.trl_grpo import (DEFAULT_CONFIG, chat_dataset, check_prompt_tokens, grpo_config,  # noqa: E402
                             last_number_reward_on_messages, recipe)
+from bench.weights_moved import GROUPS, group_of  # noqa: E402
 from ppo_core import algo, load_model, load_tokenizer  # noqa: E402
 from ppo_core.data.packing import token_budget_micro_batches  # noqa: E402
 from ppo_core.data.prompts import load_rows  # noqa: E402
@@ -59,7 +60,6 @@ from ppo_core.update import compute_advantages, minibatch_gradients  # noqa: E40
 from ppo_core.rewards.verifiers import last_number_reward  # noqa: E402
 
 TRL_ADV_EPS = 1e-4  # grpo_trainer.py, _generate_and_score_completions: advantages / (std_rewards + 1e-4)
-GROUPS = ("embed/lm_head", "attention", "mlp", "norms")
 
 
 def parse_args():
@@ -241,18 +241,6 @@ def ppo_gradient(policy, rollout, cfg, fused, packed):
 
 
 # ---------------------------------------------------------------------------- comparison
-
-def group_of(name):
-    if "embed_tokens" in name or "lm_head" in name:
-        return "embed/lm_head"
-    if "self_attn" in name:
-        return "attention"
-    if ".mlp." in name:
-        return "mlp"
-    if "norm" in name:
-        return "norms"
-    raise ValueError(name)
-
 
 def flat(grads, group=None):
     return torch.cat([g.double().reshape(-1) for n, g in sorted(grads.items()) if group in (None, group_of(n))])

@@ -1,6 +1,6 @@
 """How far trained models moved from their starting checkpoint: the Frobenius norm of (trained - start), by group of
-tensors (tied embeddings, attention, MLP, norms). Any library's output works, as long as it writes safetensors with
-Hugging Face's tensor names (ppo-core's checkpoints, TRL's save_pretrained).
+tensors (embeddings and LM head, attention, MLP, norms). Any library's output works, as long as it writes safetensors
+with Hugging Face's tensor names (ppo-core's checkpoints, TRL's save_pretrained).
 
     python bench/weights_moved.py --start ~/.cache/ppo-core/SmolLM2-135M-Instruct \\
         runs/grpo-s0/checkpoints/step-50 trl50/seed0/model
@@ -13,14 +13,20 @@ import os
 from safetensors.torch import load_file
 
 
+GROUPS = ("embed/lm_head", "attention", "mlp", "norms")
+
+
 def group_of(name: str) -> str:
-    if "embed" in name or "lm_head" in name:
-        return "embeddings"
+    """A Llama-family tensor's group (GROUPS) by its Hugging Face name; bench/grad_vs_trl.py groups gradients so."""
+    if "embed_tokens" in name or "lm_head" in name:
+        return "embed/lm_head"
     if "self_attn" in name:
         return "attention"
-    if "mlp" in name:
-        return "MLP"
-    return "norms"
+    if ".mlp." in name:
+        return "mlp"
+    if "norm" in name:
+        return "norms"
+    raise ValueError(name)
 
 
 def moved(start: dict, trained: dict) -> dict:
@@ -39,11 +45,10 @@ def main():
     p.add_argument("trained", nargs="+", help="trained checkpoint directories")
     args = p.parse_args()
     start = load_file(os.path.join(os.path.expanduser(args.start), "model.safetensors"))
-    groups = ("embeddings", "attention", "MLP", "norms")
-    print("| checkpoint | " + " | ".join(groups) + " |\n|---|" + "---:|" * len(groups))
+    print("| checkpoint | " + " | ".join(GROUPS) + " |\n|---|" + "---:|" * len(GROUPS))
     for path in args.trained:
         distance = moved(start, load_file(os.path.join(path, "model.safetensors")))
-        print(f"| {path} | " + " | ".join(f"{distance.get(g, 0.0):.3f}" for g in groups) + " |")
+        print(f"| {path} | " + " | ".join(f"{distance.get(g, 0.0):.3f}" for g in GROUPS) + " |")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppo_core.config import (ADV_ESTIMATORS, GROUP_ESTIMATORS, ConfigError, PPOConfig, build_config, load_toml,  # noqa: E402
                              parse_cli)
-from ppo_core.rewards.functions import MOVED_MODULES  # noqa: E402
+from ppo_core.rewards.functions import current_module  # noqa: E402
 
 DEFAULT_ESTIMATORS = "gae,grpo,rloo,reinforce_pp"
 # ppo-train keys compare.py sets itself for every run: extra args may not change them
@@ -224,10 +224,10 @@ def as_written_today(config: dict) -> dict:
 
 
 def moved_spec(spec):
-    """'ppo_core.verifiers:f' -> 'ppo_core.rewards.verifiers:f' (MOVED_MODULES); any other spec as it is."""
+    """'ppo_core.verifiers:f' -> 'ppo_core.rewards.verifiers:f' (rewards.functions.current_module); any other spec as
+    it is."""
     module, sep, attr = spec.rpartition(":")
-    moved = MOVED_MODULES.get(module.removeprefix("ppo_core.")) if module.startswith("ppo_core.") else None
-    return f"ppo_core.{moved}{sep}{attr}" if moved else spec
+    return f"{current_module(module)}{sep}{attr}" if module else spec
 
 
 def collected_runs(dirs):

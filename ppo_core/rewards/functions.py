@@ -36,6 +36,13 @@ MOVED_MODULES = {
 }
 
 
+def current_module(module_name: str) -> str:
+    """A module's name today: 'ppo_core.verifiers' -> 'ppo_core.rewards.verifiers' (MOVED_MODULES); any other name
+    as it is."""
+    moved = MOVED_MODULES.get(module_name.removeprefix("ppo_core.")) if module_name.startswith("ppo_core.") else None
+    return f"ppo_core.{moved}" if moved else module_name
+
+
 def import_callable(spec: str, key: str = "reward_fn"):
     """'package.module:function' -> the function (the module may also be a path to a .py file); `key` is the config
     key the spec came from, for the message. A spec naming a ppo_core module by its place before the move into
@@ -54,8 +61,7 @@ def import_callable(spec: str, key: str = "reward_fn"):
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
-            moved = MOVED_MODULES.get(module_name.removeprefix("ppo_core.")) if module_name.startswith("ppo_core.") else None
-            module = importlib.import_module(f"ppo_core.{moved}" if moved else module_name)
+            module = importlib.import_module(current_module(module_name))
     except RewardError:
         raise
     except (Exception, SystemExit) as e:  # whatever the file's top level raises (SystemExit: a script's sys.exit())
