@@ -59,7 +59,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppo_core.config import (ADV_ESTIMATORS, GROUP_ESTIMATORS, ConfigError, PPOConfig, build_config, load_toml,  # noqa: E402
                              parse_cli)
-from ppo_core.rewards.functions import current_module  # noqa: E402
+from ppo_core.rewards.functions import specs_as_today  # noqa: E402
 
 DEFAULT_ESTIMATORS = "gae,grpo,rloo,reinforce_pp"
 # ppo-train keys compare.py sets itself for every run: extra args may not change them
@@ -217,17 +217,7 @@ def as_written_today(config: dict) -> dict:
     defaults (which reproduce the older behaviour: ppo_core.config's docstrings), and reward specs naming a module by
     its place before the subpackages (ppo_core.verifiers:f) name it where it is now (ppo_core.rewards.verifiers:f), so
     that runs made before and after such a change compare as the same variant."""
-    out = {**dataclasses.asdict(PPOConfig()), **config}
-    out["reward_fn"] = [moved_spec(spec) for spec in out["reward_fn"]]
-    out["eval_reward_fn"] = moved_spec(out["eval_reward_fn"])
-    return out
-
-
-def moved_spec(spec):
-    """'ppo_core.verifiers:f' -> 'ppo_core.rewards.verifiers:f' (rewards.functions.current_module); any other spec as
-    it is."""
-    module, sep, attr = spec.rpartition(":")
-    return f"{current_module(module)}{sep}{attr}" if module else spec
+    return specs_as_today({**dataclasses.asdict(PPOConfig()), **config})
 
 
 def collected_runs(dirs):

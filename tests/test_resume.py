@@ -215,6 +215,26 @@ def test_run_started_before_a_config_field_existed_is_still_the_same_run(tmp_pat
         RunDir.open(build_config(overrides={"out": str(tmp_path / "run"), "lora_rank": "4"}), train.DEMO_CHECKPOINT)
 
 
+def test_run_that_names_a_reward_module_by_its_old_path_is_still_the_same_run(tmp_path):
+    """A run directory written before the subpackages move names its reward function 'ppo_core.verifiers:f'; today the
+    same function is 'ppo_core.rewards.verifiers:f' (rewards.functions.MOVED_MODULES): the same run, so --resume
+    continues it. Another function is still a different run."""
+    spec = "ppo_core.rewards.verifiers:last_number_reward"
+    cfg = build_config(overrides={"out": str(tmp_path / "run"), "reward_fn": spec, "eval_reward_fn": spec})
+    RunDir.open(cfg, train.DEMO_CHECKPOINT)
+    cfg_file = tmp_path / "run" / "config.json"
+    saved = json.loads(cfg_file.read_text())
+    saved["config"]["reward_fn"] = ["ppo_core.verifiers:last_number_reward"]
+    saved["config"]["eval_reward_fn"] = "ppo_core.verifiers:last_number_reward"
+    cfg_file.write_text(json.dumps(saved))
+    os.makedirs(tmp_path / "run" / "checkpoints" / "step-1")  # so a different run is refused, not replaced
+    RunDir.open(cfg, train.DEMO_CHECKPOINT)  # the same run
+    other = "ppo_core.rewards.verifiers:math_reward"
+    with pytest.raises(RunDirError, match="config differs in: eval_reward_fn, reward_fn"):
+        RunDir.open(build_config(overrides={"out": str(tmp_path / "run"), "reward_fn": other, "eval_reward_fn": other}),
+                    train.DEMO_CHECKPOINT)
+
+
 def test_a_finished_run_says_how_to_train_it_further_and_that_way_starts_where_it_ended(tmp_path, capsys):
     """--resume on a finished run is refused with the arguments of a new run from its last checkpoint (newcomer
     review #20); that run starts from the finished one's policy, critic and KL reference: its 'before' evaluation

@@ -43,6 +43,27 @@ def current_module(module_name: str) -> str:
     return f"ppo_core.{moved}" if moved else module_name
 
 
+def current_spec(spec: str) -> str:
+    """'ppo_core.verifiers:f' -> 'ppo_core.rewards.verifiers:f' (current_module); any other spec as it is."""
+    module, sep, attr = spec.rpartition(":")
+    return f"{current_module(module)}{sep}{attr}" if module else spec
+
+
+SPEC_KEYS = ("reward_fn", "eval_reward_fn", "environment")  # the config keys that may name 'module:callable'
+
+
+def specs_as_today(config: dict) -> dict:
+    """A saved config (a dict) with every 'module:callable' spec (SPEC_KEYS) naming its module where it is now, so
+    that a config written before the subpackages move equals today's (a resume, compare.py's --from_runs)."""
+    out = dict(config)
+    for key in SPEC_KEYS:
+        if isinstance(out.get(key), list):
+            out[key] = [current_spec(spec) for spec in out[key]]
+        elif isinstance(out.get(key), str):
+            out[key] = current_spec(out[key])
+    return out
+
+
 def import_callable(spec: str, key: str = "reward_fn"):
     """'package.module:function' -> the function (the module may also be a path to a .py file); `key` is the config
     key the spec came from, for the message. A spec naming a ppo_core module by its place before the move into
