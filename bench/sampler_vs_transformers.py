@@ -3,6 +3,11 @@ held-out prompts in its chat template, T=0.8, up to 24 new tokens, stop at its E
 padded generate() and transformers' generate, each drawing --samples responses per prompt with its own noise.
 
     python bench/sampler_vs_transformers.py --prompts_file addition.jsonl        # 64 prompts x 8, 1 thread: minutes
+    python bench/sampler_vs_transformers.py --prompts_file addition.jsonl --dtype bf16-mixed --policy runs/X/checkpoints/step-40
+
+--dtype bf16-mixed samples as a bf16-mixed run does: ppo-core under bf16 autocast (the engine then decodes with
+oneDNN-packed bf16 weight copies), transformers' generate under the same autocast (as TRL's GRPOTrainer with bf16=True
+samples); the weights stay float32 in both.
 
 The three draw different tokens (counter-based noise per row and token against torch's global generator), so only
 the distributions can agree: the table gives each sampler's accuracy (last_number_reward), share of responses ended
@@ -38,6 +43,8 @@ def parse_args():
     p.add_argument("--prompts", type=int, default=64, help="the first held-out rows (the file's last 256)")
     p.add_argument("--samples", type=int, default=8, help="responses per prompt and sampler")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bf16-mixed"], default="float32",
+                   help="float32 throughout, or bf16 autocast over the float32 weights (as a bf16-mixed run samples)")
     return p.parse_args()
 
 
@@ -52,17 +59,18 @@ def row_stats(name, rows, texts, lengths, ended):
             f"{math.sqrt(eos * (1 - eos) / n):.3f} | {mean:.2f} ± {sd / math.sqrt(n):.2f} |")
 
 
-def ppo_core_samples(policy, tokenizer, rows, cfg, samples):
+def ppo_core_samples(policy, tokenizer, rows, cfg, samples, autocast):
     texts, lengths, ended = [], [], []
     for s in range(samples):
-        _, _, _, mask, t, e = sample_responses(policy, tokenizer, rows, cfg, torch.Generator().manual_seed(1000 + s))
+        _, _, _, mask, t, e = sample_responses(policy, tokenizer, rows, cfg, torch.Generator().manual_seed(1000 + s),
+                                               autocast=autocast)
         texts += t
         lengths += mask.sum(-1).int().tolist()
         ended += e.tolist()
     return texts, lengths, ended
 
 
-def transformers_samples(path, tokenizer, rows, cfg, samples):
+def transformers_samples(path, tokenizer, rows, cfg, samples, autocast):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     encoded = [prompt_token_ids(tokenizer, r, cfg) for r in rows]
     width = max(map(len, encoded))
@@ -72,7 +80,7 @@ def transformers_samples(path, tokenizer, rows, cfg, samples):
     texts, lengths, ended = [], [], []
     for s in range(samples):
         torch.manual_seed(2000 + s)
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
                                  top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos,
                                  pad_token_id=tokenizer.pad_token_id)
@@ -92,16 +100,18 @@ def main():
     rows = load_rows(args.prompts_file)[-256:][: args.prompts]
     tokenizer = load_tokenizer(path)
     policy = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+    bf16 = args.dtype == "bf16-mixed"
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
     table = ["| sampler | responses | accuracy | ended at EOS | mean length (tokens) |", "|---|---:|---|---|---|"]
     all_rows = rows * args.samples
     for engine, name in (("paged", "ppo-core rollout engine"), ("padded", "ppo-core generate()")):
         cfg = build_config(load_toml(CONFIG), {"policy": path, "rollout_engine": engine})
-        table.append(row_stats(name, all_rows, *ppo_core_samples(policy, tokenizer, rows, cfg, args.samples)))
+        table.append(row_stats(name, all_rows, *ppo_core_samples(policy, tokenizer, rows, cfg, args.samples, autocast)))
         print(table[-1], flush=True)
     cfg = build_config(load_toml(CONFIG), {"policy": path})
     table.append(row_stats("transformers generate", all_rows,
-                           *transformers_samples(path, tokenizer, rows, cfg, args.samples)))
-    print(f"\n{cpu_name()}, {args.threads} thread(s), float32, T={cfg.temperature}, {cfg.max_new_tokens} new tokens, "
+                           *transformers_samples(path, tokenizer, rows, cfg, args.samples, autocast)))
+    print(f"\n{cpu_name()}, {args.threads} thread(s), {args.dtype}, {args.policy}, T={cfg.temperature}, {cfg.max_new_tokens} new tokens, "
           f"{args.prompts} held-out prompts x {args.samples}\n")
     print("\n".join(table))
 
