@@ -230,7 +230,7 @@ class RunDir:
             # a list field an older version saved as one comma-separated string (reward_fn = "m:f" or "")
             saved = {k: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) and isinstance(resolved.get(k), list)
                      else v for k, v in saved.items()}
-            saved = specs_as_today(saved)  # a 'module:callable' spec naming a module where it was before the subpackages
+            saved = specs_as_today(saved)  # specs naming a module where it was before the subpackages
             differ = sorted(k for k in set(saved) | set(resolved)
                             if k not in IGNORED_FOR_IDENTITY and saved.get(k) != resolved.get(k))
             finished = os.path.isfile(os.path.join(path, "summary.json"))
