@@ -1,6 +1,6 @@
 """Why the first optimizer step of a bf16-mixed run moves the policy so far: weights that sit on bf16 rounding ties.
 
-    python bench/bf16_ties.py --prompts_file addition.jsonl            # ~2 min, the real SmolLM2 checkpoint
+    python bench/bf16_ties.py --prompts_file addition.jsonl            # ~1 min, the real SmolLM2 checkpoint
 
 Under bf16 autocast the matmuls see bf16(w) of the float32 master weights w, rounded to nearest (ties to even). A
 checkpoint whose float32 values have few significant bits (upcast from float16, or dequantized from GGUF, whose blocks
@@ -31,12 +31,17 @@ from ppo_core.data.prompts import load_rows  # noqa: E402
 
 
 def tie_shares(tensors):
-    """(share exactly a bf16 number, share exactly halfway between two) of the float32 values."""
+    """(share exactly a bf16 number, share exactly halfway between two, the median gap between the two bf16 numbers
+    around a tie: how far a tie's bf16 value jumps) of the float32 values."""
     total = exact = halfway = 0
+    gaps = []
     for t in tensors:
-        low = t.detach().float().contiguous().view(torch.int32) & 0xFFFF  # the 16 bits bf16 drops
+        bits = t.detach().float().contiguous().view(torch.int32)
+        low = bits & 0xFFFF  # the 16 bits bf16 drops
         total, exact, halfway = total + t.numel(), exact + int((low == 0).sum()), halfway + int((low == 0x8000).sum())
-    return exact / total, halfway / total
+        below = bits[low == 0x8000] & ~0xFFFF  # the bf16 number below a tie (toward zero), and the next one up
+        gaps.append(((below + 0x10000).view(torch.float32) - below.view(torch.float32)).abs())
+    return exact / total, halfway / total, torch.cat(gaps).median().item()
 
 
 def main():
@@ -86,9 +91,10 @@ def main():
     random_step = {k: args.lr * torch.randn(v.shape, generator=gen).sign() for k, v in params.items()}
     rounded = {k: v.bfloat16().float() for k, v in theta0.items()}
 
-    exact, halfway = tie_shares(theta0.values())
+    exact, halfway, gap = tie_shares(theta0.values())
     print(f"{path}: {sum(v.numel() for v in theta0.values()):,} float32 values; {exact:.1%} are bf16 numbers, "
-          f"{halfway:.1%} lie exactly halfway between two (a tie)")
+          f"{halfway:.1%} lie exactly halfway between two (a tie), which a step of any size moves by their gap: "
+          f"median {gap:.2g}, {gap / args.lr:.0f}x the step below")
     print(f"{len(ids)} rows, {int(mask.sum())} tokens; one sign step of {args.lr:g} per value; "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
     print("| step | KL per token, float32 forward | KL per token, bf16 autocast forward | bf16 / float32 |")
