@@ -3,7 +3,8 @@ held-out prompts in its chat template, T=0.8, up to 24 new tokens, stop at its E
 padded generate() and transformers' generate, each drawing --samples responses per prompt with its own noise.
 
     python bench/sampler_vs_transformers.py --prompts_file addition.jsonl        # 64 prompts x 8, 1 thread: minutes
-    python bench/sampler_vs_transformers.py --prompts_file addition.jsonl --dtype bf16-mixed --policy runs/X/checkpoints/step-40
+    python bench/sampler_vs_transformers.py --prompts_file addition.jsonl --dtype bf16-mixed \\
+        --policy runs/X/checkpoints/step-40
 
 --dtype bf16-mixed samples as a bf16-mixed run does: ppo-core under bf16 autocast (the engine then decodes with
 oneDNN-packed bf16 weight copies), transformers' generate under the same autocast (as TRL's GRPOTrainer with bf16=True
@@ -111,8 +112,8 @@ def main():
     cfg = build_config(load_toml(CONFIG), {"policy": path})
     table.append(row_stats("transformers generate", all_rows,
                            *transformers_samples(path, tokenizer, rows, cfg, args.samples, autocast)))
-    print(f"\n{cpu_name()}, {args.threads} thread(s), {args.dtype}, {args.policy}, T={cfg.temperature}, {cfg.max_new_tokens} new tokens, "
-          f"{args.prompts} held-out prompts x {args.samples}\n")
+    print(f"\n{cpu_name()}, {args.threads} thread(s), {args.dtype}, {args.policy}, T={cfg.temperature}, "
+          f"{cfg.max_new_tokens} new tokens, {args.prompts} held-out prompts x {args.samples}\n")
     print("\n".join(table))
 
 

@@ -54,7 +54,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--start", required=True, help="the checkpoint training started from")
     p.add_argument("trained", nargs="+", help="trained checkpoint directories")
-    p.add_argument("--embedding_rows", type=int, nargs="*", default=[], help="token ids: their embedding row's distance")
+    p.add_argument("--embedding_rows", type=int, nargs="*", default=[],
+                   help="token ids whose embedding row's distance is printed")
     args = p.parse_args()
     start = load_file(os.path.join(os.path.expanduser(args.start), "model.safetensors"))
     rows = [f"row {r}" for r in args.embedding_rows] + (["median row"] if args.embedding_rows else [])
