@@ -1,4 +1,7 @@
-"""ppo_kernels: the PPO hot path (per-token log-probs, entropy, the token-level losses of LOSS_KINDS).
+"""ppo_kernels: the PPO hot path: per-token log-probs and entropy, any loss of them fused with the LM head, decode attention.
+
+No loss formula lives here: linear_logprob_loss takes the loss as a function (ppo_core.algo's math) and does the
+[N, V] work around it.
 
 Every operation here has one public function that dispatches on the device: CUDA tensors run the
 Triton kernel, CPU tensors run a chunked (memory-lean) PyTorch path; `*_reference` is the plain PyTorch
@@ -27,14 +30,13 @@ else:
     from .linear_logprobs import linear_token_logprobs, linear_token_logprobs_reference
     from .logprobs import _backend as backend  # backend(device) -> "triton" or "torch": what runs for its tensors
     from .logprobs import token_logprobs, token_logprobs_reference
-    from .loss import LOSS_KINDS, linear_policy_loss, linear_policy_loss_reference, policy_loss, policy_loss_reference
+    from .loss import linear_logprob_loss, linear_logprob_loss_reference
     from .paged_attention import decode_attention, paged_decode_attention, paged_decode_attention_reference
 
     __all__ = [
-        "backend", "LOSS_KINDS",
+        "backend",
         "token_logprobs", "token_logprobs_reference",
         "linear_token_logprobs", "linear_token_logprobs_reference",
-        "policy_loss", "policy_loss_reference",
-        "linear_policy_loss", "linear_policy_loss_reference",
+        "linear_logprob_loss", "linear_logprob_loss_reference",
         "decode_attention", "paged_decode_attention", "paged_decode_attention_reference",
     ]

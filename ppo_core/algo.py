@@ -232,26 +232,30 @@ def _count(count, like):
 
 # ---------------------------------------------------------------- losses
 
-POLICY_LOSS_KINDS = ("ppo", "cispo", "gspo")
-"""The values of cfg.policy_loss_kind: the kinds `policy_loss_function` picks a loss for. ppo_core.config refuses any
-other kind, so a kind this module does not implement is never trained as another."""
-
-
 def policy_loss_function(kind):
-    """The loss of policy_loss_kind `kind`: the one place a kind is chosen (ppo_core.update.policy_objective calls what
-    this returns on the reference path; ppo_core.run.precision.loss_paths names it in the run's first lines).
+    """The loss of policy_loss_kind `kind` (a key of POLICY_LOSSES): the one place a kind is chosen. Every path
+    trains it: ppo_core.update.policy_objective calls it on the log-probs of the fused head (ppo_kernels'
+    linear_logprob_loss) or of full logits alike.
 
-    Each takes (logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip=, weights=, agg=, num_tokens=,
-    num_seqs=) and returns (loss: 0-dim, stats: dict of detached 0-dim tensors). A new loss: its function below, its
-    name in POLICY_LOSS_KINDS and one branch here (docs/adding-a-loss.md).
+    Each is called as fn(logp, old_logp, advantages, mask, weights=, agg=, num_tokens=, num_seqs=, **settings), with
+    settings = loss_settings(kind, cfg), and returns (loss: 0-dim, stats: dict of detached 0-dim tensors). A new loss:
+    its function below and its entry in POLICY_LOSSES (docs/adding-a-loss.md).
     """
-    if kind == "ppo":
-        return policy_loss
-    if kind == "cispo":
-        return cispo_policy_loss
-    if kind == "gspo":
-        return gspo_policy_loss
-    raise ValueError(f"policy_loss_function: kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss_function: kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
+    return POLICY_LOSSES[kind][0]
+
+
+def loss_settings(kind, cfg):
+    """The settings policy_loss_kind `kind` takes, read by name from cfg (the PPOConfig fields its POLICY_LOSSES
+    entry names): a dict of keyword arguments for its function."""
+    return {name: getattr(cfg, name) for name in POLICY_LOSSES[kind][1]}
+
+
+def loss_couples_rows(kind):
+    """True when loss `kind`'s value on some rows depends on other rows' log-probs (a batch statistic chooses its
+    tokens): the fused head then hands it all of a micro-batch's rows at once, instead of chunks of them."""
+    return POLICY_LOSSES[kind][2]
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -260,7 +264,7 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
 
     logp: [B, T] log-probs under the current policy (with grad); old_logp: [B, T] at sampling time;
     advantages: [B, T]; mask: [B, T]. clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
-    dual_clip: None, or c > 1 capping the loss of A < 0 tokens at c * |A| (Ye et al. 2020, arXiv:1912.09729).
+    dual_clip: None or 0 (none), or c > 1 capping the loss of A < 0 tokens at c * |A| (Ye et al. 2020, arXiv:1912.09729).
     agg, num_tokens, num_seqs, norm_const: see `aggregate`.
     weights: None, or [B, T] detached per-token weights w_t >= 0 that multiply each token's loss, L_t = w_t L^CLIP_t:
     an off-policy correction's (`off_policy_weights`; `policy_loss_off_policy` is this with them). Weighted tokens
@@ -271,8 +275,9 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
       approx_kl      k3 estimate of KL(old || new): (r - 1) - log r, r = pi_new / pi_old
       ratio_mean     mean ratio; ratio_max_dev: max |ratio - 1| over real tokens (0 if none)
     """
+    dual_clip = dual_clip or None  # 0 (the config's "off") and None alike
     if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"policy_loss: dual_clip must be > 1 or None, got {dual_clip}")
+        raise ValueError(f"policy_loss: dual_clip must be > 1, or 0 / None for none, got {dual_clip}")
     # the clamp keeps exp finite when the policies have drifted far apart (it has zero gradient there)
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     ratio = torch.exp(log_ratio)
@@ -388,6 +393,17 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
             "ratio_max_dev": torch.where(seq_mask > 0, (seq_ratio - 1).abs(), 0.0).max(),
         }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+POLICY_LOSSES = {
+    # kind: (its function, the config fields it takes (handed to it by name), whether it couples rows)
+    "ppo": (policy_loss, ("clip_low", "clip_high", "dual_clip"), False),
+    "cispo": (cispo_policy_loss, ("clip_low", "clip_high"), False),
+    "gspo": (gspo_policy_loss, ("clip_low", "clip_high"), False),
+}
+"""Every policy loss by its policy_loss_kind. ppo_core.config refuses any other kind, and refuses a setting of one
+loss (a field some entry names) set away from its default while another loss, which does not name it, is chosen."""
+POLICY_LOSS_KINDS = tuple(POLICY_LOSSES)
 
 
 def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean",

@@ -282,77 +282,61 @@ def micro_batch(rollout: Rollout, rows, packed=False, in_loss=True) -> MicroBatc
 
 
 def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
-    """The policy's minibatch loss on one micro-batch: cfg.policy_loss_kind's loss (algo.policy_loss_function picks
-    it: PPO's clipped surrogate, CISPO's clipped stop-gradient weight, GSPO's sequence ratio), + kl_coef * KL to the
-    reference when the KL is a loss term (cfg.kl_in_reward = False), - entropy_coef * entropy. Returns (loss to
+    """The policy's minibatch loss on one micro-batch, `objective` below on the policy's log-probs. Returns (loss to
     backward, pg_loss, kl_loss, stats).
 
-    fused (cfg.fused_kernels, and a kind in ppo_kernels.LOSS_KINDS: the token-level losses whose per-token gradient
-    is a function of logp, old_logp and A): ppo_kernels.linear_policy_loss(loss_kind=...) forms the log-probs, the
-    loss and its gradients from the hidden states and the LM head tile by tile, never the [B*R, V] logits. Any other
-    kind (GSPO, whose ratio spans a whole sequence) runs on ppo_kernels.linear_token_logprobs' fused log-probs and
-    entropy, with their own backward, then its algo function; without fused_kernels: full logits, log_softmax + gather
-    and ppo_core.algo, the plain reference a researcher edits. batch.packed: these rows packed (ppo_core.data.packing); the
-    heads see what they see padded. agg: algo.aggregate's agg and the minibatch's global num_tokens and num_seqs.
-
-    batch.behav_logprobs [b, R] (cfg.off_policy_correction): the sampler's log-probs, mu. The reference path hands the loss the
-    detached weights w_t of algo.off_policy_weights (L_t = w_t L_t, as algo.policy_loss_off_policy); the fused kernel
-    takes the weighted advantages w_t A_t, which is the same loss, since w_t >= 0 is a constant and both fused losses
-    are positively homogeneous in A: w max(-A r, -A clip(r)) = max(-(w A) r, -(w A) clip(r)), the dual clip's -c A
-    alike, and w (-sg(clip(r)) A log p) = -sg(clip(r)) (w A) log p. The KL term and the entropy bonus are not
-    weighted."""
+    fused (cfg.fused_kernels): ppo_kernels.linear_logprob_loss forms the log-probs (and entropies) from the hidden
+    states and the LM head chunk by chunk, calls `objective` on each chunk's rows and turns its per-token gradient into
+    the head's, never forming the [b*R, V] logits; without fused_kernels: full logits, log_softmax + gather, then
+    `objective` on them. Either way the loss trained is the one ppo_core.algo computes: an edit there is what every
+    path trains. batch.packed: these rows packed (ppo_core.data.packing); the heads see what they see padded.
+    agg: algo.aggregate's agg and the minibatch's global num_tokens and num_seqs."""
     response_mask, old_logprobs, ref_logprobs = batch.response_mask, batch.old_logprobs, batch.ref_logprobs
     advantages = batch.advantages
     labels = response_labels(batch.input_ids, response_mask, batch.prompt_len)
-    kl_in_loss = not cfg.kl_in_reward
     off_weights, off_stats = None, {}
     if batch.behav_logprobs is not None:  # w_t from k_t = pi_old / mu (ppo_core.algo), [b, R] detached
         off_weights, off_stats = algo.off_policy_weights(
             old_logprobs, batch.behav_logprobs, response_mask, correction=cfg.off_policy_correction, cap=cfg.off_policy_cap,
             band=(cfg.off_policy_band_low, cfg.off_policy_band_high), mask_level=cfg.off_policy_mask_level)
-    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None)
+    policy_loss_fn = algo.policy_loss_function(cfg.policy_loss_kind)  # the one place a loss kind is chosen
+    settings = algo.loss_settings(cfg.policy_loss_kind, cfg)
+    kl_in_loss = not cfg.kl_in_reward
     want_entropy = cfg.entropy_coef != 0.0
-    fused = cfg.fused_kernels and cfg.policy_loss_kind in ppo_kernels.LOSS_KINDS
+    counts = dict(num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
 
-    def fused_head(hidden, weight):
-        weighted = advantages if off_weights is None else advantages * off_weights  # w_t A_t
-        return ppo_kernels.linear_policy_loss(
-            hidden, weight, labels, old_logprobs, weighted, response_mask, loss_kind=cfg.policy_loss_kind,
-            temperature=cfg.temperature, **clip, **agg, ref_logp=ref_logprobs if kl_in_loss else None,
-            kl_coef=kl_coef if kl_in_loss else 0.0, kl_kind=cfg.kl_loss_kind, entropy_coef=cfg.entropy_coef)
-
-    def logprob_head(hidden, weight):  # -> (log-probs [b, R], entropy [b, R] or None), with gradient
-        if cfg.fused_kernels:
-            B, R, H = hidden.shape
-            out = ppo_kernels.linear_token_logprobs(hidden.reshape(B * R, H), weight, labels.reshape(B * R),
-                                                    temperature=cfg.temperature, return_entropy=want_entropy)
-            return (out[0].view(B, R), out[1].view(B, R)) if want_entropy else (out.view(B, R), None)
-        logits = torch.nn.functional.linear(hidden, weight)  # [B, R, V]
-        out = ppo_kernels.token_logprobs_reference(logits, labels, temperature=cfg.temperature, return_entropy=want_entropy)
-        return out if want_entropy else (out, None)
-
-    if fused:
-        # the KL and entropy terms are inside
-        loss, stats = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, fused_head,
-                                    batch.packed)
-        logp = stats["logp"]  # detached; the KL term's value is reported separately below
-    else:
-        logp, entropy = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, logprob_head,
-                                      batch.packed)
-        policy_loss_fn = algo.policy_loss_function(cfg.policy_loss_kind)  # the one place a loss kind is chosen
-        loss, stats = policy_loss_fn(logp, old_logprobs, advantages, response_mask, **clip, weights=off_weights, **agg)
+    def objective(logp, entropy, rows):
+        """L = L^policy + beta KL - c_H H on the micro-batch's rows `rows`: logp, entropy [b, R] (entropy None
+        unless entropy_coef). Splits over rows as micro-batches do (global counts)."""
+        mask = response_mask[rows]
+        loss, stats = policy_loss_fn(logp, old_logprobs[rows], advantages[rows], mask,
+                                     weights=None if off_weights is None else off_weights[rows], **agg, **settings)
+        if kl_in_loss:
+            # L += beta * aggregate(KL_t): the KL to the reference as a loss term (cfg.kl_in_reward = False)
+            kl_term = algo.aggregate(algo.kl_estimate(logp, ref_logprobs[rows], cfg.kl_loss_kind), mask, agg["agg"],
+                                     **counts)
+            loss = loss + kl_coef * kl_term
+            stats["kl_loss"] = kl_term.detach()
         if want_entropy:
             # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
-            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, response_mask, agg["agg"],
-                                                            num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
-            stats["entropy"] = algo.masked_mean(entropy.detach(), response_mask)
-    kl_loss = torch.zeros((), device=batch.input_ids.device)  # on the loop's device: stacked with the losses below
-    if kl_in_loss:
-        kl_loss = algo.aggregate(algo.kl_estimate(logp.detach(), ref_logprobs, cfg.kl_loss_kind), response_mask,
-                                 agg["agg"], num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
-        if not fused:
-            loss = loss + kl_coef * algo.aggregate(algo.kl_estimate(logp, ref_logprobs, cfg.kl_loss_kind), response_mask,
-                                                   agg["agg"], num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
+            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, mask, agg["agg"], **counts)
+            stats["entropy"] = algo.masked_mean(entropy.detach(), mask)
+        return loss, stats
+
+    def fused_head(hidden, weight):
+        return ppo_kernels.linear_logprob_loss(hidden, weight, labels, objective, temperature=cfg.temperature,
+                                               need_entropy=want_entropy,
+                                               rows_separate=not algo.loss_couples_rows(cfg.policy_loss_kind))
+
+    def reference_head(hidden, weight):
+        return ppo_kernels.linear_logprob_loss_reference(hidden, weight, labels, objective,
+                                                         temperature=cfg.temperature, need_entropy=want_entropy)
+
+    head = fused_head if cfg.fused_kernels else reference_head
+    loss, stats, _, _ = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, head,
+                                      batch.packed)
+    stats = dict(stats)
+    kl_loss = stats.pop("kl_loss", torch.zeros((), device=batch.input_ids.device))  # on the loop's device
     if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
         stats["behav_gap"] = off_stats["behav_gap_mean"]
         stats["behav_gap_max"] = off_stats["behav_gap_max"]

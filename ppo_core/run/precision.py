@@ -71,8 +71,7 @@ def loss_paths(cfg: PPOConfig, device) -> str:
     """Which code computes each head's log-probs and loss, and why (said in the run's first lines): ppo_kernels' fused
     kernels (Triton on CUDA, a chunked torch path on the CPU; PPO_KERNELS_BACKEND forces one) or the plain torch
     reference, which forms the full [B, T, V] logits. The policy loss is cfg.policy_loss_kind's function
-    (algo.policy_loss_function), fused when the kernel takes that kind (ppo_kernels.LOSS_KINDS), as
-    update.policy_objective chooses."""
+    (algo.policy_loss_function) on either path, as update.policy_objective calls it."""
     kind = cfg.policy_loss_kind
     reference_loss = f"algo.{algo.policy_loss_function(kind).__name__}"
     correction = cfg.off_policy_correction
@@ -82,12 +81,9 @@ def loss_paths(cfg: PPOConfig, device) -> str:
         return (f"the torch reference for every head: full logits, log_softmax + gather, {reference_loss}{weighted} "
                 f"(fused_kernels=false)")
     kernels = "Triton" if ppo_kernels.backend(torch.device(device)) == "triton" else "chunked torch"
-    if kind in ppo_kernels.LOSS_KINDS:
-        update = (f"policy loss: fused linear_policy_loss ({kernels}; loss_kind={kind!r}, KL term and entropy inside: "
-                  f"a token-level loss, no [T, V] logits){weighted}")
-    else:
-        update = (f"policy loss: fused linear_token_logprobs ({kernels}) + {reference_loss}{weighted} (the kernel "
-                  f"fuses the token-level losses {', '.join(ppo_kernels.LOSS_KINDS)}; {kind}'s is not one of them)")
+    rows = "all rows at once" if algo.loss_couples_rows(kind) else "per chunk of rows"
+    update = (f"policy loss: {reference_loss}{weighted} + the KL and entropy terms, on fused linear_logprob_loss "
+              f"({kernels}; the loss's per-token gradient taken {rows}, no [T, V] logits)")
     old = "old log-probs from decoding, reference" if cfg.old_logprobs_from_rollout else "old and reference"
     value = "; value loss: the critic's scalar head + algo.value_loss (no [T, V] logits)" if uses_critic(cfg) else ""
     return f"{update}; {old} log-probs: fused linear_token_logprobs ({kernels}){value}"
