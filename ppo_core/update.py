@@ -73,15 +73,13 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_w
 # each is formed from the micro-batches. None: a loss, already normalised by the minibatch's global token and sequence
 # counts (algo.aggregate), summed as it is. A key: that statistic of policy_objective's (policy/, off_policy/) or
 # algo.value_loss's (value/) stats, a masked mean per micro-batch, summed times the micro-batch's token count and
-# divided by the minibatch's: a mean over the minibatch's tokens.
+# divided by the minibatch's: a mean over the minibatch's tokens. After these come the policy loss's own statistics,
+# whatever its function reports (clipfrac, approx_kl, ratio_mean, ... as "policy/<key>", averaged the same way; a
+# loss without a clip reports no clipfrac), but for the keys in LOSS_STATS_ELSEWHERE.
 STEP_STATS = {
     "policy/loss": None,
     "value/loss": None,
     "policy/kl_loss": None,
-    "policy/clipfrac": "clipfrac",
-    "policy/dual_clipfrac": "dual_clipfrac",
-    "policy/approx_kl": "approx_kl",
-    "policy/ratio_mean": "ratio_mean",
     "policy/entropy": "entropy",
     "value/clipfrac": "clipfrac",
     "value/values_mean": "values_mean",
@@ -89,6 +87,8 @@ STEP_STATS = {
     "off_policy/corrected_frac": "corrected_frac",
 }
 MB_STATS = tuple(STEP_STATS)  # their names, in that order
+# keys of the policy loss's stats reported otherwise: as maxima (ppo_update), or in STEP_STATS
+LOSS_STATS_ELSEWHERE = ("ratio_max_dev", "behav_gap", "behav_gap_max", "corrected_frac", "entropy")
 
 
 def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn, train_policy=True):
@@ -137,8 +137,8 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
             sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, chunks, n_micro, cfg, kl_coef,
                                                            autocast, train_policy)
             values, tokens, (first_dev, max_dev, gap_max) = _read_step_stats(sums, counts, ratio_devs)
-            for (name, key), value in zip(STEP_STATS.items(), values):
-                _append(stats, name, value if key is None else value / tokens)
+            for name, value in values.items():
+                _append(stats, name, value if name in STEP_STATS and STEP_STATS[name] is None else value / tokens)
             if first_ratio_dev is None:
                 first_ratio_dev = first_dev
             ratio_max_dev = max(ratio_max_dev, max_dev)
@@ -189,9 +189,10 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
     gradients accumulate in .grad and are summed over processes on the last micro-batch. No critic
     (critic None), or no policy (train_policy False, the critic warm-up): that model's passes are skipped.
 
-    Queues device work only, never a host read (see ppo_update). Returns device tensors: sums [len(MB_STATS)]
-    float64 over the micro-batches and, after the all-reduce, the processes (losses already normalised by the
-    global counts; per-token statistics times the token count), counts [2] (the minibatch's global token and
+    Queues device work only, never a host read (see ppo_update). Returns sums, {name: 0-dim float64 device tensor}
+    for MB_STATS and then the policy loss's own statistics ("policy/<key>"), summed over the micro-batches and, after
+    one all-reduce, the processes (losses already normalised by the global counts; per-token statistics times the
+    token count), and device tensors counts [2] (the minibatch's global token and
     sequence counts) and ratio_devs [3] (max |ratio - 1| of the processes' first micro-batches, and of all of them;
     the largest behaviour gap |log pi_old - log mu|, 0 without an off-policy correction)."""
     device = rollout.input_ids.device
@@ -200,7 +201,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
     # add up to the minibatch's loss (and their gradients to its gradient).
     counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(), (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
     agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
-    sums = torch.zeros(len(MB_STATS), dtype=torch.float64, device=device)  # on the device of the losses added in
+    sums = {}  # name -> float64 0-dim tensor, on the device of the losses added in
     zero = torch.zeros((), device=device)
     first_ratio_dev, max_ratio_dev, max_gap = None, zero, zero
     # One autocast region for the whole minibatch: its cast cache keeps one bf16 copy of each trained weight for all
@@ -233,13 +234,18 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
                                                             batch.response_mask, clip=cfg.value_clip or None, **agg)
                         vf_loss.backward()
             losses = {"policy/loss": pg_loss, "value/loss": vf_loss.detach(), "policy/kl_loss": kl_loss}
-            sums += torch.stack([
-                losses[name] if key is None else (vf_stats if name.startswith("value/") else pg_stats).get(key, zero) * n
-                for name, key in STEP_STATS.items()
-            ]).double()
+            terms = {name: losses[name] if key is None else
+                     (vf_stats if name.startswith("value/") else pg_stats).get(key, zero) * n
+                     for name, key in STEP_STATS.items()}
+            # the loss's own statistics, in the order its function reports them (the same on every process)
+            terms.update({f"policy/{key}": value * n for key, value in pg_stats.items() if key not in LOSS_STATS_ELSEWHERE})
+            for name, value in terms.items():
+                sums[name] = sums[name] + value.double() if name in sums else value.double()
     if first_ratio_dev is None:
         first_ratio_dev = zero
-    return (dist.all_reduce_sum(sums), counts,
+    names = list(sums)
+    reduced = dist.all_reduce_sum(torch.stack([sums[name] for name in names]))  # one collective for all of them
+    return (dict(zip(names, reduced.unbind(0))), counts,
             dist.all_reduce_max(torch.stack([first_ratio_dev, max_ratio_dev, max_gap.to(max_ratio_dev.dtype)])))
 
 
@@ -352,10 +358,10 @@ CORRECTED_FRAC = {"tis": "truncated_frac", "decoupled": "filtered_frac", "icepop
 
 def _read_step_stats(sums, counts, ratio_devs):
     """The optimizer step's one read of statistics: sums, the token count and the maxima copied to the host together.
-    -> (MB_STATS values, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev, behaviour gap max)) as Python
+    -> ({name: value}, max(tokens, 1), (first ratio_max_dev, max ratio_max_dev, behaviour gap max)) as Python
     floats."""
-    host = torch.cat([sums, counts[:1].double(), ratio_devs.double()]).tolist()
-    return host[: len(MB_STATS)], max(host[len(MB_STATS)], 1.0), tuple(host[-3:])
+    host = torch.cat([torch.stack(list(sums.values())), counts[:1].double(), ratio_devs.double()]).tolist()
+    return dict(zip(sums, host[: len(sums)])), max(host[len(sums)], 1.0), tuple(host[-3:])
 
 
 def _append(stats, key, value):
@@ -370,8 +376,6 @@ def _unused_stats(cfg: PPOConfig, has_critic, train_policy):
     else:
         if cfg.kl_in_reward:
             unused.append("policy/kl_loss")
-        if not cfg.dual_clip or cfg.policy_loss_kind == "gspo":
-            unused.append("policy/dual_clipfrac")
         if not cfg.entropy_coef:
             unused.append("policy/entropy")
     if not train_policy or cfg.off_policy_correction == "none":

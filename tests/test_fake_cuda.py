@@ -155,7 +155,8 @@ class DeviceAudit(TorchDispatchMode):
 
 
 class FakeBackward(TorchFunctionMode):
-    """CPU-only build: `loss.backward()` gives each trainable parameter without a gradient a fake zero one."""
+    """CPU-only build: `loss.backward()` gives each trainable parameter without a gradient a fake zero one, and
+    `torch.autograd.grad(loss, inputs)` (the fused head's per-token gradient of the loss) fake zeros like its inputs."""
 
     def __init__(self, params):
         super().__init__()
@@ -170,6 +171,12 @@ class FakeBackward(TorchFunctionMode):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             return None
+        if func is torch.autograd.grad:
+            outputs, inputs = args[0], args[1]  # autograd.grad hands its own tuples to the mode
+            outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+            assert all(t.dim() == 0 and t.device.type == "cuda" for t in outputs), outputs
+            assert all(t.device.type == "cuda" for t in inputs), [t.device for t in inputs]
+            return tuple(torch.zeros_like(t) for t in inputs)
         return func(*args, **(kwargs or {}))
 
 
@@ -257,7 +264,9 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1, packed=False):
     # Device reads of the loop's files in the update, per optimizer step: the statistics in one read, then the finite
     # check; nothing inside the micro-batch loop (reads of the model and kernels are theirs: listed on stdout).
     ours = [r for r in audit.device_reads if r.startswith(LOOP_FILES)]
-    n_stats = len(MB_STATS) + 4  # sums, token count, first and max ratio deviation, largest behaviour gap: one .tolist()
+    # sums (MB_STATS, then PPO's clipfrac, approx_kl, ratio_mean), token count, first and max ratio deviation, largest
+    # behaviour gap: one .tolist()
+    n_stats = len(MB_STATS) + 3 + 4
     n_norms = 2  # the policy's and the critic's gradient norm: one .tolist()
     assert ours == (["update.py:_read_step_stats"] * n_stats + ["update.py:step"] * n_norms) * 2, ours
     others = sorted(set(r for r in rollout_reads + audit.device_reads if not r.startswith(LOOP_FILES)))
