@@ -113,15 +113,27 @@ def linear_impls():
     return impls
 
 
+def ppo_loss_fn(old, adv, mask):
+    """loss_fn(logp, entropy, rows) for linear_logprob_loss: ppo_core.algo's PPO clipped loss (token-mean over the
+    batch's tokens, so that it splits over chunks of rows), as ppo_core.update.policy_objective builds it."""
+    from ppo_core import algo
+    num_tokens = mask.sum()
+
+    def loss_fn(logp, entropy, rows):
+        return algo.policy_loss(logp, old[rows], adv[rows], mask[rows], num_tokens=num_tokens)
+    return loss_fn
+
+
 def loss_impls():
     """op 'loss': PPO clipped loss from hidden states (the policy update); returns the scalar loss."""
     import ppo_kernels
     impls = {}
-    if hasattr(ppo_kernels, "linear_policy_loss"):
-        from ppo_kernels.loss import linear_policy_loss_reference
-        impls["torch eager"] = lambda h, w, y, old, adv, mask: linear_policy_loss_reference(h, w, y, old, adv, mask)[0]
+    if hasattr(ppo_kernels, "linear_logprob_loss"):
+        from ppo_kernels import linear_logprob_loss_reference
+        impls["torch eager"] = (
+            lambda h, w, y, old, adv, mask: linear_logprob_loss_reference(h, w, y, ppo_loss_fn(old, adv, mask))[0])
         impls["ppo_kernels"] = (
-            lambda h, w, y, old, adv, mask: ppo_kernels.linear_policy_loss(h, w, y, old, adv, mask)[0])
+            lambda h, w, y, old, adv, mask: ppo_kernels.linear_logprob_loss(h, w, y, ppo_loss_fn(old, adv, mask))[0])
     liger_cls = _peer("liger_grpo")
     if liger_cls is not None:
         def liger(h, w, y, old, adv, mask, _loss=[]):
@@ -540,7 +552,7 @@ def goals_summary(rows, ceiling):
         eager = results.get((op, shape, "torch eager"))
         memory = r["total_extra"] / max(eager["total_extra"], 1) if eager else float("nan")
         met = share >= 0.65 and memory <= 1 / 20
-        name = {"linear": "linear_token_logprobs", "loss": "linear_policy_loss"}.get(op, op)
+        name = {"linear": "linear_token_logprobs", "loss": "linear_logprob_loss"}.get(op, op)
         print(f"  {name} forward + backward: {100 * share:.0f}% of the matmul rate (goal >= 65%), extra memory "
               f"{memory:.3f}x eager (goal <= 0.050x): {'met' if met else 'NOT met'}")
 
@@ -579,7 +591,7 @@ def autocast_summary(rows):
     measured: the CPU tables), and fp32 inputs under bf16 autocast against bf16 inputs."""
     times = {(op, shape, dtype): r["total_s"] for op, shape, dtype, impl, r in rows
              if impl == "ppo_kernels" and "error" not in r}
-    names = {"logits": "token_logprobs", "linear": "linear_token_logprobs", "loss": "linear_policy_loss"}
+    names = {"logits": "token_logprobs", "linear": "linear_token_logprobs", "loss": "linear_logprob_loss"}
     print()
     for (op, shape, dtype), t in times.items():
         where = f"{names[op.removesuffix('-autocast')]} {'x'.join(map(str, shape))}"

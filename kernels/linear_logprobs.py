@@ -12,7 +12,8 @@ tile from the saved logsumexp, turns it into dz, and accumulates
 so its workspace is one tile (plus an [N, H] accumulator, fp64 for fp32 inputs: see _tile_shape; fp32 for
 bf16 ones), never [N, V]. This costs one extra matmul (4 instead of 3 for forward + backward), the price of not
 storing the logits; with upstream gradients unknown in the forward (two per row: log-prob and entropy) it
-cannot be avoided. (linear_policy_loss in loss.py knows its gradient in the forward and gets by with 3.)
+cannot be avoided. (linear_logprob_loss in loss.py, given the loss, takes its gradient in the forward and gets by
+with 3.)
 
 Three implementations with one signature, in this file:
   - `linear_token_logprobs_reference`: hidden @ weight.T then `token_logprobs_reference` (full logits).

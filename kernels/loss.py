@@ -303,14 +303,17 @@ class _ScaledGrad(torch.autograd.Function):
 
 
 def row_chunks(kept_per_row, budget, rows_separate=True):
-    """Consecutive rows grouped into chunks of at most `budget` kept tokens (a row with more is a chunk of its own);
+    """Consecutive rows grouped into chunks of at most `budget` kept tokens (a row with more is a chunk of its own),
+    closed once it holds the even share ceil(total / ceil(total / budget)), so that rows of equal length make chunks of
+    equal size rather than full ones and a small remainder (each chunk costs a whole [V, H] dweight product).
     rows_separate=False: one chunk of every row. -> [(first row, end row), ...], at least one chunk."""
-    B = len(kept_per_row)
+    B, total = len(kept_per_row), sum(kept_per_row)
     if not rows_separate or B == 0:
         return [(0, B)]
+    target = max(1, -(-total // max(1, -(-total // budget))))  # the even share, <= budget
     chunks, start, tokens = [], 0, 0
     for row, n in enumerate(kept_per_row):
-        if row > start and tokens + n > budget:
+        if row > start and n > 0 and (tokens + n > budget or tokens >= target):  # empty rows ride along
             chunks.append((start, row))
             start, tokens = row, 0
         tokens += n
@@ -338,7 +341,7 @@ def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entr
         out = _linear._linear_token_logprobs(hidden, weight, labels, temperature, need_entropy, backend)
         logp, entropy = out if need_entropy else (out, None)
         loss, stats = loss_fn(logp, entropy, slice(None))
-        return loss, stats, logp.detach(), None if entropy is None else entropy.detach()
+        return loss, {k: v.detach() for k, v in stats.items()}, logp.detach(), None if entropy is None else entropy.detach()
     # The caller's tensors get their gradients directly, in their own dtypes: with fp32 master weights under
     # autocast, dweight leaves the fp32 accumulator as it is (no bf16 rounding, no second [V, H] copy).
     hidden_in, weight_in = hidden, weight

@@ -243,7 +243,9 @@ def policy_loss_function(kind):
     """
     if kind not in POLICY_LOSSES:
         raise ValueError(f"policy_loss_function: kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
-    return POLICY_LOSSES[kind][0]
+    # looked up in this module by its name at each call, so that a function replaced at run time (a notebook's
+    # `algo.policy_loss = my_loss`, a test's monkeypatch) is the one trained, as an edit of its text would be
+    return globals()[POLICY_LOSSES[kind][0].__name__]
 
 
 def loss_settings(kind, cfg):
@@ -395,11 +397,244 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+def sapo_policy_loss(logp, old_logp, advantages, mask, sapo_tau_pos=1.0, sapo_tau_neg=1.05, agg="token-mean",
+                     num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+    """SAPO: a smooth, temperature-controlled gate in place of PPO's hard clip (Qwen team 2025, "Soft Adaptive Policy
+    Optimization", arXiv:2511.20347), as a loss to minimise:
+
+      L_t = -f_t(r_t) A_t,   f_t(r) = sigmoid(tau_t (r - 1)) 4 / tau_t,   tau_t = tau_pos if A_t > 0 else tau_neg
+
+    f_t(1) = 2 / tau_t and f_t'(1) = 1, so at r_t = 1 the gradient is the unclipped policy gradient -A_t grad log pi;
+    elsewhere it is that times the gate weight 4 sigmoid(x_t)(1 - sigmoid(x_t)), x_t = tau_t (r_t - 1), which lies in
+    (0, 1] and decays smoothly instead of dropping to 0 at a clip boundary. A larger tau_neg damps negative-advantage
+    tokens faster (the paper: they raise the logits of many unsampled tokens, which is less stable). The form follows
+    verl's compute_policy_loss_sapo (core_algos.py, Jan 2026; tau_t = tau_neg where A_t <= 0) and Trinity-RFT's
+    SAPOPolicyLossFn (tau_pos 1.0, tau_neg 1.05, the paper's defaults).
+
+    logp, old_logp, advantages, mask: [B, T] as in `policy_loss`. sapo_tau_pos, sapo_tau_neg: tau for A > 0 and A <= 0,
+    both > 0. agg, num_tokens, num_seqs, norm_const: see `aggregate`. The paper averages per sequence
+    (seq-mean-token-mean, which verl forces for SAPO); here loss_agg chooses, as for every token-level loss.
+    weights: None, or [B, T] detached per-token weights multiplying each token's loss, as in `policy_loss`.
+    The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp, as in `policy_loss`.
+    Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local tokens): approx_kl,
+    ratio_mean, ratio_max_dev as in `policy_loss` (no clipfrac: nothing is clipped), and
+      sapo_gate_weight  mean gate weight: the gradient's scale against the unclipped policy gradient's (1 on-policy)
+    """
+    if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
+        raise ValueError(f"sapo_policy_loss: sapo_tau_pos and sapo_tau_neg must be > 0, got {sapo_tau_pos}, "
+                         f"{sapo_tau_neg}")
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], as in policy_loss
+    ratio = torch.exp(log_ratio)
+    # tau_t = tau_pos if A_t > 0 else tau_neg
+    tau = torch.where(advantages > 0, torch.full_like(ratio, sapo_tau_pos), torch.full_like(ratio, sapo_tau_neg))
+    gate_input = tau * (ratio - 1)  # [B, T] x_t = tau_t (r_t - 1)
+    # f_t(r_t) = sigmoid(tau_t (r_t - 1)) * 4 / tau_t
+    gate = torch.sigmoid(gate_input) * (4 / tau)
+    # L_t = -f_t(r_t) A_t
+    pg_losses = -gate * advantages
+    if weights is not None:
+        # L_t = w_t L^SAPO_t, w_t detached (an off-policy correction's, as in policy_loss)
+        pg_losses = pg_losses * weights
+    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    with torch.no_grad():
+        sigmoid = torch.sigmoid(gate_input)
+        # gate weight = d f_t / d r at r_t = 4 sigmoid(x_t) (1 - sigmoid(x_t))
+        stats = {"sapo_gate_weight": masked_mean(4 * sigmoid * (1 - sigmoid), mask)}
+    stats.update(_ratio_stats(ratio, log_ratio, mask))
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def gmpo_policy_loss(logp, old_logp, advantages, mask, gmpo_clip_low=0.4, gmpo_clip_high=0.4, num_seqs=None, *,
+                     weights=None, agg=None, num_tokens=None):
+    """GMPO: the geometric mean of the token ratios of a response, each clipped in log space (Zhao et al. 2025,
+    "Geometric-Mean Policy Optimization", arXiv:2507.20673), as a loss to minimise. Per non-empty row i, with
+    A_i its advantage and |y_i| its real tokens:
+
+      l_i = -A_i exp(1/|y_i| sum_t c_it),   c_it = min(log r_it, clip(log r_it, -eps_low, eps_high))   if A_i >= 0
+                                                   max(log r_it, clip(log r_it, -eps_low, eps_high))   if A_i < 0
+      L = 1/G sum_i l_i
+
+    the paper's {prod_t |min(r_it A_i, clip(r_it, e^-eps_low, e^eps_high) A_i)|}^(1/|y_i|) sgn(A_i), with |A_i| taken
+    out of the product: each token takes the pessimistic side of its clip, so a token past the bound on the side that
+    would help the objective is held at the bound and gets no gradient. A geometric mean moves less than the
+    arithmetic mean of GRPO's token ratios when a few ratios are extreme, so the paper widens the clip to
+    (e^-0.4, e^0.4). The sign rule and the per-token clip follow the authors' train_zero_math_gmpo.py (callsys/GMPO) and
+    verl's compute_policy_loss_geo_mean, which also takes A_i as the row's mean advantage.
+
+    logp, old_logp: [B, T]; advantages: [B, T], one value per response (A_i is the row's masked mean; the paper's
+    advantages are group-relative, as adv_estimator=grpo gives); mask: [B, T]. gmpo_clip_low, gmpo_clip_high: eps_low,
+    eps_high >= 0, the log-ratio's clip range (the paper's 0.4 each). The row's mean log-ratio is clamped to
+    [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (zero gradient beyond it). num_seqs: as in `gspo_policy_loss` (pass
+    the GLOBAL count); GMPO always averages over sequences, so agg and num_tokens are not read. weights must be None:
+    a response's one ratio has no token losses to weight (the config refuses an off-policy correction with GMPO).
+    Fully masked rows are left out. Returns (loss: 0-dim, stats: dict of detached 0-dim tensors):
+      clipfrac          fraction of real tokens held at their clip bound (c_it != log r_it: zero gradient)
+      approx_kl, ratio_mean, ratio_max_dev: token-level, as in `policy_loss` (the clip is per token)
+      gmpo_ratio_mean   mean over non-empty rows of exp(1/|y_i| sum_t c_it), the clipped geometric-mean ratio
+    """
+    if weights is not None:
+        raise ValueError("gmpo_policy_loss: weights do not apply to a sequence's geometric-mean ratio")
+    if gmpo_clip_low < 0 or gmpo_clip_high < 0:
+        raise ValueError(f"gmpo_policy_loss: gmpo_clip_low and gmpo_clip_high must be >= 0, got {gmpo_clip_low}, "
+                         f"{gmpo_clip_high}")
+    real = mask > 0  # [B, T] bool
+    seq_mask = real.any(-1).to(logp.dtype)  # [B] 1 = row has a real token
+    token_log_ratio = torch.where(real, logp - old_logp, 0.0)  # [B, T] log r_it, 0 where masked
+    seq_advantages = masked_mean(advantages, mask, dim=-1)  # [B] A_i
+    clipped_log_ratio = torch.clamp(token_log_ratio, -gmpo_clip_low, gmpo_clip_high)  # [B, T]
+    # c_it = min(log r, clip(log r)) for A_i >= 0, max(log r, clip(log r)) for A_i < 0: the pessimistic side
+    positive = (seq_advantages >= 0)[:, None]  # [B, 1]
+    pessimistic_log_ratio = torch.where(positive, torch.minimum(token_log_ratio, clipped_log_ratio),
+                                        torch.maximum(token_log_ratio, clipped_log_ratio))  # [B, T] c_it
+    # log gbar_i = 1/|y_i| sum_t c_it, clamped as in policy_loss
+    seq_log_ratio = torch.clamp(masked_mean(pessimistic_log_ratio, mask, dim=-1), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_ratio = torch.exp(seq_log_ratio)  # [B] gbar_i, the clipped geometric-mean ratio
+    # l_i = -A_i gbar_i
+    pg_losses = -seq_advantages * seq_ratio  # [B]
+    if num_seqs is None:
+        num_seqs = seq_mask.sum()
+    # L^GMPO = 1/G sum_i l_i  over the non-empty rows
+    loss = (pg_losses * seq_mask).sum() / _count(num_seqs, pg_losses)
+    with torch.no_grad():
+        held = real & torch.where(positive, token_log_ratio > gmpo_clip_high, token_log_ratio < -gmpo_clip_low)
+        log_ratio = torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        stats = {"clipfrac": masked_mean(held.to(logp.dtype), mask),
+                 "gmpo_ratio_mean": (seq_ratio * seq_mask).sum() / seq_mask.sum().clamp(min=1),
+                 **_ratio_stats(torch.exp(log_ratio), log_ratio, mask)}
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+CLIP_COV_SEED = 0
+"""Seed of the torch.Generator that clip_cov_policy_loss creates in each call to draw its tokens: the draw is a fixed
+function of its inputs (a resumed run is bit-identical, on any device), and the global RNG is not consumed."""
+
+
+@torch.no_grad()
+def _centred_covariance(logp, advantages, mask):
+    """Cov_t = (A_t - mean A)(log pi_t - mean log pi), the means over the real tokens of the batch: each token's term of
+    the covariance that drives the entropy change (Cui et al. 2025, arXiv:2505.22617). [B, T], detached."""
+    # Cov_t = (A_t - 1/N sum_s A_s) (log pi_theta(y_t) - 1/N sum_s log pi_theta(y_s))
+    return (advantages - masked_mean(advantages, mask)) * (logp - masked_mean(logp, mask))
+
+
+def clip_cov_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
+                         clip_cov_lb=1.0, clip_cov_ub=5.0, agg="token-mean", num_tokens=None, num_seqs=None,
+                         norm_const=None, *, weights=None):
+    """Clip-Cov: PPO's clipped surrogate with a few high-covariance tokens taken out of the gradient (Cui et al. 2025,
+    "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv:2505.22617).
+
+    Entropy falls where a token's log-prob and its advantage move together: tokens with a large centred covariance
+    Cov_t (see `_centred_covariance`, over this call's real tokens) drive the collapse. Clip-Cov draws, uniformly at
+    random, n = max(floor(clip_cov_ratio N), 1) of the candidate tokens, N the real tokens,
+
+      I_clip ~ Uniform({t : clip_cov_lb < Cov_t < clip_cov_ub, t not clipped by PPO}, n)
+      L_t = 0 for t in I_clip,   max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)) otherwise
+
+    (all candidates when there are fewer than n). As in the authors' code (PRIME-RL/Entropy-Mechanism-of-RL, which verl
+    ports as compute_policy_loss_clip_cov): the bounds are strict, tokens PPO's clip already holds are not candidates,
+    a drawn token's term is 0 in value and gradient (verl multiplies it by 0), and the other tokens keep PPO's clipped
+    surrogate with clip_low / clip_high (the paper's equation writes the unclipped r_t A_t; the authors' recipe runs
+    clip_ratio_low = clip_ratio_high = 1, so its clip hardly binds). The draw: a torch.Generator seeded with
+    CLIP_COV_SEED in each call permutes the candidates (row-major order) and takes the first n, where verl uses the
+    global RNG; it is reproducible (a resumed run is bit-identical) and consumes no global random state. Two calls
+    with equally many candidates draw the same positions of their candidate lists.
+
+    The selection reads every row of the call (a batch statistic), so its POLICY_LOSSES entry couples rows: the fused
+    head hands it a whole micro-batch, and N and the means are the micro-batch's (as in verl, per micro-batch).
+    clip_cov_ratio in (0, 1]; clip_cov_lb < clip_cov_ub (the paper's 2e-4, 1, 5). Other arguments and weights as in
+    `policy_loss` (dual_clip is not taken). One host read per call (N and the candidates).
+    Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local tokens):
+      clipfrac       fraction of real tokens where PPO's clipped branch is strictly larger, as in `policy_loss`
+      clipcov_frac   fraction of real tokens drawn into I_clip
+      approx_kl, ratio_mean, ratio_max_dev as in `policy_loss`
+    """
+    if not 0 < clip_cov_ratio <= 1:
+        raise ValueError(f"clip_cov_policy_loss: clip_cov_ratio must be in (0, 1], got {clip_cov_ratio}")
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov_policy_loss: need clip_cov_lb < clip_cov_ub, got {clip_cov_lb}, {clip_cov_ub}")
+    real = mask > 0  # [B, T] bool
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], as in policy_loss
+    ratio = torch.exp(log_ratio)
+    # L^CLIP = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), as in policy_loss
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = pg_loss2 > pg_loss1  # [B, T] held by PPO's clip
+    with torch.no_grad():
+        covariance = _centred_covariance(logp.detach(), advantages, mask)  # [B, T] Cov_t
+        candidates = real & ~clipped & (covariance > clip_cov_lb) & (covariance < clip_cov_ub)  # [B, T]
+        n_clip = max(int(clip_cov_ratio * int(real.sum())), 1)  # n = max(floor(r N), 1), as the authors' code
+        candidate_idx = candidates.flatten().nonzero().squeeze(1)  # [C] flat positions, row-major
+        generator = torch.Generator().manual_seed(CLIP_COV_SEED)
+        drawn = torch.randperm(len(candidate_idx), generator=generator)[:n_clip].to(candidate_idx.device)
+        in_clip = torch.zeros_like(candidates).flatten().index_fill(0, candidate_idx[drawn], True).view_as(real)
+    # L_t = 0 on I_clip (no value, no gradient), L^CLIP_t elsewhere
+    pg_losses = torch.where(in_clip, 0.0, torch.maximum(pg_loss1, pg_loss2))
+    if weights is not None:
+        # L_t = w_t L^ClipCov_t, w_t detached (an off-policy correction's, as in policy_loss)
+        pg_losses = pg_losses * weights
+    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    stats = {"clipfrac": masked_mean(clipped.to(ratio.dtype), mask),
+             "clipcov_frac": masked_mean(in_clip.to(ratio.dtype), mask),
+             **_ratio_stats(ratio, log_ratio, mask)}
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-3, kl_cov_coef=1.0, agg="token-mean",
+                       num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+    """KL-Cov: the unclipped surrogate with a KL penalty on the highest-covariance tokens (Cui et al. 2025, "The Entropy
+    Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv:2505.22617), as a loss:
+
+      I_KL = the k = max(floor(kl_cov_ratio N), 1) real tokens of largest Cov_t   (see `_centred_covariance`)
+      L_t = -A_t r_t + beta |log r_t|   for t in I_KL,     -A_t r_t   otherwise
+
+    N the real tokens of the call, beta = kl_cov_coef. No PPO clip anywhere: the penalty restrains exactly the tokens
+    whose updates drive entropy down. As in the authors' code (PRIME-RL/Entropy-Mechanism-of-RL, ported by verl as
+    compute_policy_loss_kl_cov): |log r_t| estimates the KL, the ranking is over all real tokens, and at least one
+    token is penalised. The paper's 7B setting is k = 2e-3 (the authors' k_percent = 0.2, in percent) and beta = 1;
+    verl's config defaults are 2e-4 and 0.1. Ties in Cov_t are broken by position (a stable sort, row-major), so the
+    choice is deterministic. The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp, as in
+    `policy_loss` (verl leaves it unclamped).
+
+    The ranking reads every row of the call, so its POLICY_LOSSES entry couples rows (a whole micro-batch at once; N
+    and the means are the micro-batch's, as in verl). kl_cov_ratio in (0, 1]; kl_cov_coef >= 0. Other arguments and
+    weights as in `policy_loss` (dual_clip is not taken). One host read per call (N).
+    Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local tokens): approx_kl,
+    ratio_mean, ratio_max_dev as in `policy_loss` (no clipfrac: nothing is clipped), and
+      klcov_frac  fraction of real tokens in I_KL
+    """
+    if not 0 < kl_cov_ratio <= 1:
+        raise ValueError(f"kl_cov_policy_loss: kl_cov_ratio must be in (0, 1], got {kl_cov_ratio}")
+    if kl_cov_coef < 0:
+        raise ValueError(f"kl_cov_policy_loss: kl_cov_coef must be >= 0, got {kl_cov_coef}")
+    real = mask > 0  # [B, T] bool
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], as in policy_loss
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        covariance = _centred_covariance(logp.detach(), advantages, mask)  # [B, T] Cov_t
+        real_idx = real.flatten().nonzero().squeeze(1)  # [N] flat positions, row-major
+        n_kl = max(int(kl_cov_ratio * len(real_idx)), 1) if len(real_idx) else 0  # k = max(floor(k N), 1)
+        # the k largest Cov_t, ties to the earlier position
+        ranked = torch.sort(covariance.flatten()[real_idx], descending=True, stable=True).indices[:n_kl]
+        in_kl = torch.zeros_like(real).flatten().index_fill(0, real_idx[ranked], True).view_as(real)
+    # L_t = -A_t r_t + beta |log r_t| 1[t in I_KL]
+    pg_losses = -advantages * ratio + torch.where(in_kl, kl_cov_coef * log_ratio.abs(), 0.0)
+    if weights is not None:
+        # L_t = w_t L^KLCov_t, w_t detached (an off-policy correction's, as in policy_loss)
+        pg_losses = pg_losses * weights
+    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    stats = {"klcov_frac": masked_mean(in_kl.to(ratio.dtype), mask), **_ratio_stats(ratio, log_ratio, mask)}
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
 POLICY_LOSSES = {
     # kind: (its function, the config fields it takes (handed to it by name), whether it couples rows)
     "ppo": (policy_loss, ("clip_low", "clip_high", "dual_clip"), False),
     "cispo": (cispo_policy_loss, ("clip_low", "clip_high"), False),
     "gspo": (gspo_policy_loss, ("clip_low", "clip_high"), False),
+    "sapo": (sapo_policy_loss, ("sapo_tau_pos", "sapo_tau_neg"), False),
+    "gmpo": (gmpo_policy_loss, ("gmpo_clip_low", "gmpo_clip_high"), False),
+    "clip_cov": (clip_cov_policy_loss, ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), True),
+    "kl_cov": (kl_cov_policy_loss, ("kl_cov_ratio", "kl_cov_coef"), True),
 }
 """Every policy loss by its policy_loss_kind. ppo_core.config refuses any other kind, and refuses a setting of one
 loss (a field some entry names) set away from its default while another loss, which does not name it, is chosen."""

@@ -25,7 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .algo import POLICY_LOSS_KINDS
+from .algo import POLICY_LOSS_KINDS, POLICY_LOSSES
 
 
 class ConfigError(ValueError):
@@ -155,9 +155,13 @@ class PPOConfig:
     policy_loss_kind: str = "ppo"
     """'ppo' (the token-level clipped surrogate), 'cispo' (CISPO, MiniMax-M1 2025: REINFORCE with a clipped
     stop-gradient importance weight, so clipped tokens keep a bounded gradient; clip_low >= 1 drops its lower bound,
-    as the paper does) or 'gspo' (GSPO's sequence-level ratio, Zheng et al. 2025: the length-normalised sequence
-    likelihood ratio clipped per sequence; use clip_low/clip_high around 3e-4/4e-4). ppo_core.algo.policy_loss_function
-    computes each kind; ppo and cispo run fused with fused_kernels."""
+    as the paper does), 'gspo' (GSPO's sequence-level ratio, Zheng et al. 2025: the length-normalised sequence
+    likelihood ratio clipped per sequence; use clip_low/clip_high around 3e-4/4e-4), 'sapo' (SAPO, Qwen 2025: a smooth
+    sigmoid gate in place of the clip; sapo_tau_pos/sapo_tau_neg), 'gmpo' (GMPO, Zhao et al. 2025: the geometric mean
+    of each response's token ratios, clipped per token in log space; gmpo_clip_low/gmpo_clip_high), 'clip_cov' or
+    'kl_cov' (Cui et al. 2025: PPO's clip with a few high-covariance tokens' gradients dropped, clip_cov_*; or the
+    unclipped surrogate with a |log r| penalty on the highest-covariance tokens, kl_cov_*). ppo_core.algo.POLICY_LOSSES
+    maps each kind to its function and the fields it reads; every kind trains on the fused head (fused_kernels)."""
     ppo_epochs: int = 4
     """Passes over each rollout batch."""
     minibatch_size: int = 32
@@ -200,6 +204,24 @@ class PPOConfig:
     """Policy ratio upper clip: ratio <= 1 + clip_high (raise it for 'clip-higher')."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c*|A| (0 = off)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature of the soft gate on tokens with A > 0 (the SAPO paper's 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: temperature of the soft gate on tokens with A <= 0; larger decays faster (the SAPO paper's 1.05)."""
+    gmpo_clip_low: float = 0.4
+    """gmpo: each token's log-ratio is clipped below at -gmpo_clip_low in the geometric mean (the GMPO paper's 0.4)."""
+    gmpo_clip_high: float = 0.4
+    """gmpo: each token's log-ratio is clipped above at gmpo_clip_high in the geometric mean (the GMPO paper's 0.4)."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: share of real tokens (at least 1) drawn from the covariance band, gradient dropped (paper: 2e-4)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a token is a candidate when clip_cov_lb < its centred covariance < clip_cov_ub (paper: 1)."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: the covariance band's upper bound, exclusive (the Clip-Cov paper's 5)."""
+    kl_cov_ratio: float = 2e-3
+    """kl_cov: share of real tokens (at least 1), largest covariance first, given the |log r| penalty (paper: 2e-3)."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of the |log r| penalty on those tokens (the KL-Cov paper's 1; verl's default 0.1)."""
     value_clip: float = 0.2
     """Critic predictions move at most this far from the rollout's values per update (0 = no clipping)."""
     entropy_coef: float = 0.0
@@ -540,6 +562,13 @@ def _problems(cfg: PPOConfig) -> list[str]:
     need(0 <= cfg.gamma <= 1, "gamma", "must be in [0, 1]")
     need(0 <= cfg.lam <= 1, "lam", "must be in [0, 1]")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1")
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        need(getattr(cfg, key) > 0, key, "must be > 0")
+    for key in ("gmpo_clip_low", "gmpo_clip_high", "kl_cov_coef"):
+        need(getattr(cfg, key) >= 0, key, "must be >= 0")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        need(0 < getattr(cfg, key) <= 1, key, "must be in (0, 1]")
+    need(cfg.clip_cov_lb < cfg.clip_cov_ub, "clip_cov_lb", f"must be < clip_cov_ub ({cfg.clip_cov_ub})")
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
     need(cfg.kl_loss_kind in ("k1", "k2", "k3"), "kl_loss_kind", "must be one of k1, k2, k3")
     need(all(n.strip() in ("tensorboard", "wandb") for n in cfg.report_to.split(",") if n.strip()), "report_to",
@@ -566,8 +595,8 @@ def _problems(cfg: PPOConfig) -> list[str]:
     if cfg.off_policy_correction != "none":
         need(not cfg.old_logprobs_from_rollout, "off_policy_correction", "compares the sampler's log-probs with the "
              "recomputed old ones: it needs old_logprobs_from_rollout = false")
-        need(cfg.policy_loss_kind != "gspo", "off_policy_correction",
-             "weights a token-level loss (ppo, cispo), not GSPO's sequence ratio")
+        need(cfg.policy_loss_kind not in ("gspo", "gmpo"), "off_policy_correction",
+             "weights a token-level loss (ppo, cispo, sapo, clip_cov, kl_cov), not GSPO's or GMPO's sequence ratio")
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
     need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
     need(cfg.rollout_ranks >= 0, "rollout_ranks", "must be >= 0")
@@ -642,13 +671,20 @@ def _unread_settings(cfg: PPOConfig) -> list[str]:
             problems.append(f"config key '{key}' has no effect with {other}={getattr(cfg, other)!r} ({why}), "
                             f"got {getattr(cfg, key)!r}")
 
-    if cfg.policy_loss_kind == "cispo":
-        unread("dual_clip", "policy_loss_kind", "CISPO's clipped weight already bounds each token; dual-clip caps "
-                                                "PPO's token losses")
+    # a loss's own settings (the fields its algo.POLICY_LOSSES entry names) while another loss is chosen
+    if cfg.policy_loss_kind in POLICY_LOSSES:
+        reads = set(POLICY_LOSSES[cfg.policy_loss_kind][1])
+        for key in dict.fromkeys(name for _, names, _ in POLICY_LOSSES.values() for name in names):
+            if key not in reads:
+                readers = ", ".join(kind for kind, (_, names, _) in POLICY_LOSSES.items() if key in names)
+                unread(key, "policy_loss_kind", f"only policy_loss_kind {readers} reads it")
     if cfg.policy_loss_kind == "gspo":
-        unread("dual_clip", "policy_loss_kind", "GSPO clips one ratio per sequence; dual-clip caps token losses")
         if cfg.kl_in_reward and not cfg.entropy_coef:
             unread("loss_agg", "policy_loss_kind", "GSPO averages over sequences; loss_agg reduces only a KL loss "
+                                                   "term (kl_in_reward=false) and the entropy bonus (entropy_coef)")
+    if cfg.policy_loss_kind == "gmpo":
+        if cfg.kl_in_reward and not cfg.entropy_coef:
+            unread("loss_agg", "policy_loss_kind", "GMPO averages over sequences; loss_agg reduces only a KL loss "
                                                    "term (kl_in_reward=false) and the entropy bonus (entropy_coef)")
     if not uses_critic(cfg):
         for key in ("critic", "critic_lr", "value_clip", "lam", "whiten_advantages"):

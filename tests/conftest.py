@@ -29,7 +29,7 @@ def poisoned_empty():
     """Make every torch.empty NaN-filled (ints: max value), so an output element never written shows up.
 
     This is where the tests turn torch's deterministic mode on (its fill_uninitialized_memory is the poison), and
-    only here: for the kernel tests that take this fixture (test_kernels_logprobs / _linear / _loss, 9 functions).
+    only here: for the kernel tests that take this fixture (test_kernels_logprobs / _linear / _loss and test_cispo).
     Neither ppo_core's trainer nor any other test turns it on. While it is on, those tests dispatch (recorded on
     the CPU, 2026-12-04) elementwise ops, reductions, softmax / log_softmax and their backward, mm / addmm / bmm,
     gather, index_select, index_copy_, index_put_, scatter_add (gather's backward), nonzero, randn / randint /

@@ -334,9 +334,9 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
 
 
 @pytest.mark.parametrize("knobs, kernels_called", [
-    ({}, ["linear_policy_loss"]),
-    ({"dual_clip": "3", "entropy_coef": "0.05", "kl_in_reward": "false"}, ["linear_policy_loss"]),
-    ({"policy_loss_kind": "gspo"}, ["linear_token_logprobs"]),
+    ({}, ["linear_logprob_loss"]),
+    ({"dual_clip": "3", "entropy_coef": "0.05", "kl_in_reward": "false"}, ["linear_logprob_loss"]),
+    ({"policy_loss_kind": "gspo"}, ["linear_logprob_loss"]),
     ({"fused_kernels": "false"}, []),
 ])
 def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, knobs, kernels_called):
@@ -344,9 +344,10 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     kernels are wrapped to record their calls in one policy_objective, and the line names exactly those (or the
     reference)."""
     import ppo_kernels
+    from ppo_core import algo
 
     calls = []
-    for name in ("linear_policy_loss", "linear_token_logprobs"):
+    for name in ("linear_logprob_loss", "linear_token_logprobs"):
         real = getattr(ppo_kernels, name)
         monkeypatch.setattr(ppo_kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     cfg = build_config({}, {**knobs, "rollout_batch_size": "2", "minibatch_size": "2", "micro_batch_size": "2"})
@@ -361,6 +362,8 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     policy_part = line.split(";")[0]
     assert calls == kernels_called, calls
     if kernels_called:
-        assert policy_part.startswith(f"policy loss: fused {kernels_called[0]} (chunked torch")
+        kind = cfg.policy_loss_kind
+        assert policy_part.startswith(f"policy loss: algo.{algo.policy_loss_function(kind).__name__} + ")
+        assert f"on fused {kernels_called[0]} (chunked torch" in policy_part
     else:
         assert line.startswith("the torch reference for every head") and "fused linear" not in line

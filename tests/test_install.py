@@ -140,6 +140,6 @@ def test_the_checkouts_kernels_folder_never_shadows_a_package_named_kernels(tmp_
     alone = import_kernels(ROOT, "", "-S")
     assert alone.returncode == 1 and alone.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'kernels'"
     # and under its own name the folder is the library
-    proc = subprocess.run([sys.executable, "-c", "import ppo_kernels; print(ppo_kernels.linear_policy_loss.__module__)"],
+    proc = subprocess.run([sys.executable, "-c", "import ppo_kernels; print(ppo_kernels.linear_logprob_loss.__module__)"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "ppo_kernels.loss", proc.stderr[-2000:]

@@ -2,7 +2,8 @@
 
     python -m pytest -q tests/test_kernels_bf16.py
 
-linear_token_logprobs and linear_policy_loss take bf16 hidden / weight in two ways, both checked here:
+linear_token_logprobs and linear_logprob_loss (with ppo_core.algo's PPO loss) take bf16 hidden / weight in two ways,
+both checked here:
 (a) plain bf16 tensors, (b) fp32 tensors (the trainer's fp32 master weights) under torch.autocast("cpu", bf16),
 which the heads cast to bf16 themselves. Either way the matmuls run in bf16 (test_matmuls_run_in_bf16_and_...) and
 everything else in fp32: max, sum-exp, log-probs, entropy, the loss and its per-token gradient.
@@ -42,7 +43,8 @@ import ppo_kernels.loss as loss_module  # noqa: E402
 from ppo_kernels.linear_logprobs import linear_token_logprobs_torch  # noqa: E402
 from ppo_kernels.logprobs import token_logprobs_reference, token_logprobs_torch  # noqa: E402
 from ppo_core import algo  # noqa: E402
-from ppo_kernels.loss import linear_policy_loss_reference, linear_policy_loss_torch  # noqa: E402
+from ppo_kernels.loss import linear_logprob_loss_reference, linear_logprob_loss_torch  # noqa: E402
+from test_kernels_loss import objective  # noqa: E402  the loss as ppo_core.update.policy_objective builds it
 
 U = 2.0 ** -8  # bf16 unit roundoff (round to nearest, 8 significant bits)
 F32 = 2.0 ** -24  # fp32 unit roundoff
@@ -160,7 +162,8 @@ def test_linear_token_logprobs_against_float64(mode, tiles, monkeypatch):
     assert_within("dweight", w.grad, dw, dw_bound)
 
 
-# ------------------------------------------------------------------------------------------ linear_policy_loss
+# ------------------------------------------------------------------------------------------ linear_logprob_loss
+# PPO's loss from ppo_core.algo (test_kernels_loss.objective: clip, dual clip, the KL term, the entropy bonus)
 LOSS_CONFIGS = {
     "clipped": dict(temperature=1.0, clip_low=0.2, clip_high=0.28, agg="token-mean"),
     "dual-clip-kl-entropy": dict(temperature=0.7, dual_clip=3.0, kl_coef=0.1, kl_kind="k3", entropy_coef=0.05,
@@ -170,16 +173,19 @@ LOSS_CONFIGS = {
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config", sorted(LOSS_CONFIGS))
-def test_linear_policy_loss_against_float64(mode, config, monkeypatch):
-    monkeypatch.setattr(loss_module, "TORCH_LOSS_TILE_ELEMENTS", 13 * 1100)  # 4 row tiles: dW summed over them
-    kwargs = LOSS_CONFIGS[config]
-    B, S, H, V, T = 2, 24, 64, 1100, kwargs["temperature"]
+def test_linear_logprob_loss_against_float64(mode, config, monkeypatch):
+    # 13 tokens per chunk against rows of 9-12: 4 chunks of one row, dW summed over them
+    monkeypatch.setattr(loss_module, "TORCH_LOSS_TILE_ELEMENTS", 13 * 1100)
+    kwargs = dict(LOSS_CONFIGS[config])
+    T = kwargs.pop("temperature")
+    need_entropy = "entropy_coef" in kwargs
+    B, S, H, V = 4, 12, 64, 1100
     hidden, weight = bf16_head(B * S, H, V, logit_scale=3.0, seed=3)
     gen = torch.Generator().manual_seed(4)
     labels = torch.randint(0, V, (B * S,), generator=gen)
     labels[:3] = -100  # prompt positions
     mask = (labels != -100).double()
-    mask[S:S + 2] = 0  # padding with a real label: weight 0, never projected
+    mask[S:S + 2] = 0  # padding with a real label: its logits are formed, its gradient is 0
     truth = Truth(hidden, weight, labels, T)
     # ratios r = exp(logp - old) away from every kink (1 - clip_low, 1 + clip_high, and the dual clip's) by more
     # than the log-prob bound, so that the path and the truth take the same branch; half of them clipped
@@ -194,36 +200,36 @@ def test_linear_policy_loss_against_float64(mode, config, monkeypatch):
     if "dual_clip" in kwargs:  # -A r against -A c for A < 0: r = 1.6 < c = 3 keeps off that kink as well
         assert ratios.max() * math.exp(truth.logp_bound.max()) < kwargs["dual_clip"]
     shape = lambda t: t.view(B, S)  # noqa: E731
-    token_args = [shape(t) for t in (labels, old.float(), advantages.float(), mask.float())]  # [B, S] each
-    if "kl_coef" in kwargs:
-        kwargs = dict(kwargs, ref_logp=shape(ref.float()))
+    tokens = [shape(t.float()) for t in (old, advantages, mask, ref)]  # [B, S] each: (old, A, mask, ref) in fp32
+    loss_fn = objective("ppo", tokens, **kwargs)
+    loss_fn64 = objective("ppo", [t.double() for t in tokens], **kwargs)  # the same values, in float64
 
     h, w = leaves(hidden, weight, mode)
     with autocast_if(mode):
-        loss, stats = linear_policy_loss_torch(h.view(B, S, H), w, *token_args, **kwargs)
+        loss, stats, logp, entropy = linear_logprob_loss_torch(h.view(B, S, H), w, shape(labels), loss_fn,
+                                                               temperature=T, need_entropy=need_entropy)
     loss.backward()
 
-    # The truth: the float64 reference's loss, and its gradients with respect to each token's log-prob and
-    # entropy (autograd through ppo_core.algo's policy loss on float64 leaves)
+    # The truth: the float64 loss, and its gradients with respect to each token's log-prob and entropy (autograd
+    # through ppo_core.algo's policy loss on float64 leaves)
     logp_leaf = truth.logp.masked_fill(~truth.valid, 0.0).clone().requires_grad_()
     entropy_leaf = truth.entropy.masked_fill(~truth.valid, 0.0).clone().requires_grad_()
-    ref_kwargs = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kwargs.items()
-                  if k not in ("temperature", "entropy_coef")}
-    want, _ = loss_module.policy_loss_reference(shape(logp_leaf), *[t.double() for t in token_args[1:]], **ref_kwargs)
-    want = want - kwargs.get("entropy_coef", 0.0) * algo.aggregate(shape(entropy_leaf), shape(mask), kwargs["agg"])
+    want, _ = loss_fn64(shape(logp_leaf), shape(entropy_leaf) if need_entropy else None, slice(None))
     g_logp, g_entropy = torch.autograd.grad(want, (logp_leaf, entropy_leaf), allow_unused=True)
     g_entropy = torch.zeros_like(g_logp) if g_entropy is None else g_entropy
-    # the same loss through the naive float64 path (hidden @ weight.T, then the reference): the same number
-    naive, _ = linear_policy_loss_reference(hidden.double().view(B, S, H), weight.double(),
-                                            *[shape(labels)] + [t.double() for t in token_args[1:]], **{
-                                                k: (v.double() if torch.is_tensor(v) else v)
-                                                for k, v in kwargs.items()})
+    # the same loss through the naive float64 path (hidden @ weight.T, then the loss): the same number
+    naive, *_ = linear_logprob_loss_reference(hidden.double().view(B, S, H), weight.double(), shape(labels),
+                                              loss_fn64, temperature=T, need_entropy=need_entropy)
     assert abs(naive.item() - want.item()) <= 1e-12
 
     in_loss = truth.valid & (mask > 0)
-    assert loss.dtype == torch.float32
-    assert (stats["logp"].reshape(-1)[~in_loss] == 0).all() and (h.grad.view(-1, H)[~in_loss] == 0).all()
-    assert_within("logp", stats["logp"].reshape(-1)[in_loss], truth.logp[in_loss], truth.logp_bound[in_loss])
+    assert loss.dtype == logp.dtype == torch.float32
+    assert (logp.reshape(-1)[~truth.valid] == 0).all() and (h.grad.view(-1, H)[~in_loss] == 0).all()
+    # every token with a label has its log-prob (those out of the loss too: the loop reports the KL from them)
+    assert_within("logp", logp.reshape(-1)[truth.valid], truth.logp[truth.valid], truth.logp_bound[truth.valid])
+    if need_entropy:
+        assert_within("entropy", entropy.reshape(-1)[truth.valid], truth.entropy[truth.valid],
+                      truth.entropy_bound[truth.valid])
     # g moves with logp: |dg/dlogp| <= w (|A| r + kl_coef e^(ref - logp)) (the clipped branches have 0), and
     # the weights w are those of the aggregation (mask-only)
     weight_leaf = torch.zeros(B * S, dtype=torch.float64, requires_grad=True)  # d aggregate / d L_t = w_t
@@ -293,8 +299,9 @@ def test_matmuls_run_in_bf16_and_gradients_come_back_in_the_leaves_dtypes(mode):
                     out = logp.sum() + entropy.sum()
                     assert logp.dtype == entropy.dtype == torch.float32
                 else:
-                    out, _ = linear_policy_loss_torch(h, w, labels, torch.full((N,), -6.0), torch.randn(N),
-                                                      torch.ones(N), entropy_coef=0.01)
+                    tokens = (torch.full((1, N), -6.0), torch.randn(1, N), torch.ones(1, N), torch.zeros(1, N))
+                    out, *_ = linear_logprob_loss_torch(h[None], w, labels[None], objective(
+                        "ppo", tokens, entropy_coef=0.01), need_entropy=True)  # [1, N, H]: one row
                     assert out.dtype == torch.float32
             out.backward()
         mm = [operands for name, operands in spy.seen if "bmm" not in name]  # bmm: the fp32 entropy dot product
@@ -334,18 +341,25 @@ def test_token_logprobs_bf16_logits():
 
 
 @pytest.mark.parametrize("mode", ["bf16", "autocast"])
-def test_no_token_in_the_loss_gives_zero_gradients(mode):
+@pytest.mark.parametrize("empty", ["labels", "mask"])
+def test_no_token_in_the_loss_gives_zero_gradients(mode, empty):
     """A micro-batch with no token in the loss (what a process short of rows runs under DDP so that its gradient
-    reduction pairs up) must contribute exactly 0 to every gradient: no row is projected, and the dW accumulator
-    must not be left uninitialised (a bf16 path once copied its first row tile into an empty buffer and returned
-    garbage when there was none)."""
+    reduction pairs up, with the global counts of the others) must contribute exactly 0 to every gradient. Every
+    label -100: no row is projected, and the dW accumulator must not be left uninitialised (a bf16 path once copied
+    its first row tile into an empty buffer and returned garbage when there was none); mask 0 with real labels: the
+    rows are projected, and each token's gradient is 0."""
     hidden, weight = bf16_head(12, 32, 40, 1.0, seed=5)
-    labels = torch.randint(0, 40, (12,), generator=torch.Generator().manual_seed(5))
+    labels = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(5))
+    if empty == "labels":
+        labels = torch.full_like(labels, -100)
     h, w = leaves(hidden, weight, mode)
-    zeros = torch.zeros(12)
+    zeros = torch.zeros(2, 6)
+    policy_loss = algo.policy_loss_function("ppo")
+    loss_fn = lambda logp, entropy, rows: policy_loss(  # noqa: E731
+        logp, zeros[rows], torch.randn(2, 6)[rows], zeros[rows], num_tokens=torch.tensor(5.0),
+        num_seqs=torch.tensor(2.0))
     with autocast_if(mode):
-        loss, _ = linear_policy_loss_torch(h, w, labels, zeros, torch.randn(12), zeros,
-                                           num_tokens=torch.tensor(5.0), num_seqs=torch.tensor(2.0))
+        loss, *_ = linear_logprob_loss_torch(h.view(2, 6, 32), w, labels, loss_fn)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))

@@ -95,7 +95,7 @@ def test_run_directory_contents(default_run):
     matmuls = {"float32": "float32", "bf16-mixed": "bfloat16"}[dtype]
     assert cfg["precision"] == {"device": "cpu", "weights": "float32", "matmuls": matmuls, "why": f"dtype='{dtype}'"}
     assert f"precision: float32 {'throughout' if dtype == 'float32' else 'weights, bfloat16 autocast'}" in proc.stderr
-    assert "\nloss paths: policy loss: fused linear_policy_loss (chunked torch; " in proc.stderr
+    assert "\nloss paths: policy loss: algo.policy_loss, on fused linear_logprob_loss (chunked torch; " in proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, iterations + 1))
     for key in ("reward/mean", "kl/mean", "entropy/mean", "policy/clipfrac", "policy/approx_kl", "value/loss",
@@ -139,8 +139,8 @@ def test_same_seed_same_metrics(tmp_path, dtype):
 
 @pytest.mark.parametrize("variant", [(), ("--kl_in_reward=false", "--kl_loss_kind=k3", "--loss_agg=seq-mean-token-mean")])
 def test_fused_and_reference_paths_agree(tmp_path, variant):
-    """The fused paths (linear_token_logprobs for old/reference log-probs, linear_policy_loss for the update,
-    with the KL term fused in for the second variant) and the plain reference (full logits, log_softmax +
+    """The fused paths (linear_token_logprobs for old/reference log-probs, linear_logprob_loss for the update,
+    with the KL term in its loss for the second variant) and the plain reference (full logits, log_softmax +
     gather, ppo_core.algo) give the same run."""
     args = ("--iterations=2", "--eval_size=32", "--ppo_epochs=2", "--dtype=float32", *variant)
     ppo_train_together([*args, "--fused_kernels=true", f"--out={tmp_path / 'fused'}"],

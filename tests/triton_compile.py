@@ -83,16 +83,12 @@ SHAPES = (("aligned", 256, 4112, 64, 16), ("odd", 250, 4100, 64, 7))
 # (name, tensors' dtype, autocast dtype or None)
 DTYPES = (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("autocast", torch.float32, torch.bfloat16))
 TEMPERATURE = 0.7
-# (dual_clip, kl_coef, kl_kind): every (HAS_DUAL, HAS_KL, KL_KIND) the loss kernel can be launched with
-LOSS_OPTIONS = tuple((dual, kl_coef, kind) for dual in (None, 3.0)
-                     for kl_coef, kind in ((0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3")))
-# loss_kind="cispo" (LOSS_KIND == 2; no dual clip), without and with a KL term, in one more call per case
-CISPO_OPTIONS = ((0.0, "k3"), (0.1, "k3"))
-# entropy_coef != 0 in one more linear_policy_loss call per case: the dz kernel's HAS_ENTROPY variant
+# linear_logprob_loss's entropy coefficient when the loss reads the entropy (the dz kernel's HAS_ENTROPY variant);
+# the loss is the trainer's, ppo_core.algo.policy_loss (the kernels know no loss: any other launches the same)
 ENTROPY_COEF = 0.01
 # (name, tokens N, vocabulary V, hidden H): a real batch whose [N, V] logits pass 2^31 elements (int64 offsets),
-# recorded on meta tensors. linear_policy_loss is not among its calls: its [rows, V] buffers stay below
-# loss.TRITON_LOSS_CHUNK_ELEMENTS (2^26) elements whatever N is, and it picks its rows from the mask's values
+# recorded on meta tensors. linear_logprob_loss is not among its calls: its [rows, V] buffers stay below
+# loss.TRITON_LOSS_CHUNK_ELEMENTS (2^26) elements whatever N is, and it picks its rows from the labels' values
 # (nonzero), which meta tensors do not have.
 LARGE = ("large", 16384, 151936, 4096)
 # Paged decode attention, fp32 and bf16 caches of 16-token blocks, 1024 keys per sequence: (name, n_heads,
@@ -119,6 +115,8 @@ def exercise_wrappers():
     Yields a case label ("<wrapper> <shape> <dtype>") before each group of calls; the recorder files the
     launches under it. dtype "autocast" is fp32 tensors under bf16 autocast, as the trainer runs the LM head.
     """
+    from ppo_core import algo
+
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape, dtype, grad=False):
@@ -142,7 +140,7 @@ def exercise_wrappers():
             case = f"{shape_name} {dtype_name}"
             amp = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
 
-            if not autocast:  # token_logprobs and policy_loss take their inputs' dtype as it comes
+            if not autocast:  # token_logprobs takes its inputs' dtype as it comes
                 yield f"token_logprobs {case}"
                 for use_logp, use_entropy in grad_kinds:
                     logits = randn(N, V, dtype=dtype, grad=True)  # [N, V]
@@ -155,16 +153,6 @@ def exercise_wrappers():
                                                          temperature=TEMPERATURE, return_entropy=True)
                 backward_through(lp, ent, True, True)
 
-                yield f"policy_loss {case}"
-                for loss_kind, (dual_clip, kl_coef, kl_kind) in ([("ppo", option) for option in LOSS_OPTIONS]
-                                                                 + [("cispo", (None, *o)) for o in CISPO_OPTIONS]):
-                    logp = randn(B, T, dtype=dtype, grad=True)
-                    mask = (torch.rand(B, T, generator=gen) > 0.2).float()
-                    loss_value, _ = loss.policy_loss_triton(
-                        logp, randn(B, T, dtype=dtype), randn(B, T, dtype=dtype), mask, dual_clip=dual_clip,
-                        ref_logp=randn(B, T, dtype=dtype), kl_coef=kl_coef, kl_kind=kl_kind, loss_kind=loss_kind)
-                    loss_value.backward()
-
             yield f"linear_token_logprobs {case}"
             for use_logp, use_entropy in grad_kinds:
                 hidden, weight = randn(N, H, dtype=dtype, grad=True), randn(V, H, dtype=dtype, grad=True)
@@ -173,20 +161,24 @@ def exercise_wrappers():
                         hidden, weight, labels_for((N,), V, n_ignored), temperature=TEMPERATURE, return_entropy=True)
                 backward_through(lp, ent, use_logp, use_entropy)
 
-            yield f"linear_policy_loss {case}"
-            options = [("ppo", *option, 0.0) for option in (LOSS_OPTIONS[-1:] if autocast else LOSS_OPTIONS)]
-            options.append(("ppo", *LOSS_OPTIONS[-1], ENTROPY_COEF))
-            options.append(("cispo", None, *CISPO_OPTIONS[-1], ENTROPY_COEF))
-            for loss_kind, dual_clip, kl_coef, kl_kind, entropy_coef in options:
+            yield f"linear_logprob_loss {case}"
+            for entropy_coef in (0.0, ENTROPY_COEF):  # the loss reads the log-probs; and the entropy too
                 full = randn(B, P + T, H, dtype=dtype, grad=True)
                 weight = randn(V, H, dtype=dtype, grad=True)
                 mask = (torch.rand(B, T, generator=gen) > 0.2).float()
-                old, adv, ref = (randn(B, T, dtype=torch.float32) for _ in range(3))
+                old, adv = (randn(B, T, dtype=torch.float32) for _ in range(2))
+
+                def loss_fn(logp, entropy, rows, mask=mask, old=old, adv=adv, entropy_coef=entropy_coef):
+                    value, stats = algo.policy_loss(logp, old[rows], adv[rows], mask[rows], dual_clip=3.0,
+                                                    num_tokens=mask.sum())
+                    if entropy_coef:
+                        value = value - entropy_coef * algo.aggregate(entropy, mask[rows], "token-mean",
+                                                                      num_tokens=mask.sum())
+                    return value, stats
                 with amp:
-                    loss_value, _ = loss.linear_policy_loss_triton(
-                        full[:, P - 1:-1], weight, labels_for((B, T), V, n_ignored), old, adv, mask,
-                        temperature=TEMPERATURE, dual_clip=dual_clip, ref_logp=ref, kl_coef=kl_coef,
-                        kl_kind=kl_kind, entropy_coef=entropy_coef, loss_kind=loss_kind)
+                    loss_value, *_ = loss.linear_logprob_loss_triton(
+                        full[:, P - 1:-1], weight, labels_for((B, T), V, n_ignored), loss_fn,
+                        temperature=TEMPERATURE, need_entropy=entropy_coef != 0)
                 loss_value.backward()
 
     for shape_name, n_heads, n_kv_heads, head_dim, window, batches in PAGED_SHAPES:

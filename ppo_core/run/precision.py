@@ -82,8 +82,9 @@ def loss_paths(cfg: PPOConfig, device) -> str:
                 f"(fused_kernels=false)")
     kernels = "Triton" if ppo_kernels.backend(torch.device(device)) == "triton" else "chunked torch"
     rows = "all rows at once" if algo.loss_couples_rows(kind) else "per chunk of rows"
-    update = (f"policy loss: {reference_loss}{weighted} + the KL and entropy terms, on fused linear_logprob_loss "
-              f"({kernels}; the loss's per-token gradient taken {rows}, no [T, V] logits)")
+    terms = "".join([" + the KL term" if not cfg.kl_in_reward else "", " - the entropy bonus" if cfg.entropy_coef else ""])
+    update = (f"policy loss: {reference_loss}{weighted}{terms}, on fused linear_logprob_loss ({kernels}; the loss's "
+              f"per-token gradient taken {rows}, no [T, V] logits)")
     old = "old log-probs from decoding, reference" if cfg.old_logprobs_from_rollout else "old and reference"
     value = "; value loss: the critic's scalar head + algo.value_loss (no [T, V] logits)" if uses_critic(cfg) else ""
     return f"{update}; {old} log-probs: fused linear_token_logprobs ({kernels}){value}"
