@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from ppo_core.algo import POLICY_LOSS_KINDS
 from ppo_core.config import FIELDS, ConfigError, PPOConfig, build_config, load_toml, parse_cli
 from ppo_core.train import main
 
@@ -56,7 +57,7 @@ def test_default_toml_lists_every_field_with_its_default():
      "config key 'critic_warmup' needs a critic (adv_estimator='gae'), not 'rloo', got 2"),
     (["--filter_groups"], "config key 'filter_groups' needs n_samples_per_prompt > 1, got True"),
     (["--kl_reward_kind=k4"], "config key 'kl_reward_kind' must be one of k1, k2, k3, got 'k4'"),
-    (["--policy_loss_kind=grpo"], "config key 'policy_loss_kind' must be one of ppo, cispo, gspo, sapo, gmpo, clip_cov, kl_cov, got 'grpo'"),
+    (["--policy_loss_kind=grpo"], f"config key 'policy_loss_kind' must be one of {', '.join(POLICY_LOSS_KINDS)}, got 'grpo'"),
     (["--overlong_buffer=20"], "config key 'overlong_buffer' must be <= max_new_tokens (12), got 20"),
     (["--reward_fn=a.py:f,b.py:g", "--reward_weights=1"], "config key 'reward_weights' must hold one weight per "
                                                           "reward_fn (2), got [1.0]"),
