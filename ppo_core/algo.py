@@ -185,6 +185,23 @@ def kl_estimate(logp, ref_logp, kind):
     raise ValueError(f"kl_estimate: kind must be one of 'k1', 'k2', 'k3', got {kind!r}")
 
 
+@torch.no_grad()
+def distillation_advantages(logp, teacher_logp, mask, coef=1.0):
+    """On-policy distillation's per-token advantage: the student samples, the teacher scores each sampled token, and
+    the token's advantage is the negative per-token reverse-KL estimate (Agarwal et al. 2024, GKD,
+    arXiv:2306.13649, with the student's own samples and the reverse KL; K. Lu / Thinking Machines Lab 2025, "On-Policy
+    Distillation", which uses it with discount 0: a token is credited with its own log-ratio only).
+
+    logp: [B, T] log pi_student(y_t) of the sampled tokens (the rollout's old log-probs); teacher_logp: [B, T]
+    log pi_teacher(y_t) of the same tokens; mask: [B, T]. Returns [B, T] in logp's dtype, 0 where masked.
+    Under the policy gradient E_pi[A_t grad log pi(y_t)] = -coef * grad KL(pi || teacher) at each position, since
+    E_pi[grad log pi] = 0 removes the +1 of grad (log pi - log teacher).
+    """
+    real = mask > 0  # [B, T]
+    # A_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t))  (minus k1 of KL(student || teacher))
+    return torch.where(real, -coef * (logp - teacher_logp), 0.0)
+
+
 # ---------------------------------------------------------------- loss aggregation
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

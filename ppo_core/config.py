@@ -3,8 +3,8 @@
     ppo-train --config configs/default.toml --lr=5e-4 --ppo_epochs 2
 
 Precedence: defaults < the TOML file < command-line overrides. A list field (reward_fn, reward_weights) is a TOML
-list or comma-separated text (`--reward_fn=a.py:f,b.py:g`). `~` in path fields (policy, reference, critic,
-reward_model, prompts_file, eval_prompts_file, out, the file of a reward_fn) is expanded to the home directory.
+list or comma-separated text (`--reward_fn=a.py:f,b.py:g`). `~` in path fields (policy, reference, teacher,
+critic, reward_model, prompts_file, eval_prompts_file, out, the file of a reward_fn) is expanded to the home directory.
 `help_text()` lists every field for `ppo-train --help`. A key that does not exist, a value of the
 wrong type or an impossible value is a `ConfigError` whose message names the key (and, for an unknown one, the
 closest valid keys, or the field another library's name means: `learning_rate` -> `lr`); every problem found is in
@@ -39,6 +39,15 @@ class PPOConfig:
     """Policy checkpoint directory (HF layout). Empty = the shipped demo checkpoint for the 'reverse' task."""
     reference: str = ""
     """Frozen reference checkpoint for the KL penalty. Empty = the policy's initial weights."""
+    teacher: str = ""
+    """On-policy distillation: a frozen teacher checkpoint (HF layout, the policy's tokenizer and vocabulary size)
+    scores each sampled token; the token's advantage is the negative reverse-KL estimate (ppo_core.algo's
+    distillation_advantages; Agarwal et al. 2024, GKD). Empty = off."""
+    distill_coef: float = 1.0
+    """Weight of the distillation advantage -distill_coef * (log pi(y_t) - log pi_teacher(y_t)) of each token."""
+    distill_with_reward: bool = False
+    """With a teacher: false = the distillation advantage alone (no critic; the task reward is still computed and
+    logged, and scores the evaluations, but trains nothing); true = added to adv_estimator's advantages."""
     critic: str = ""
     """Critic checkpoint (a *ForSequenceClassification or *ForCausalLM dir). Empty = the policy's backbone with a new zero scalar head."""
     task: str = "reverse"
@@ -374,7 +383,8 @@ class PPOConfig:
 
 
 FIELDS = {f.name: f for f in fields(PPOConfig)}
-PATH_FIELDS = ("policy", "reference", "critic", "reward_model", "judge", "prompts_file", "eval_prompts_file", "out")
+PATH_FIELDS = ("policy", "reference", "teacher", "critic", "reward_model", "judge", "prompts_file", "eval_prompts_file",
+               "out")
 DTYPES = ("auto", "float32", "bf16-mixed", "bfloat16")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -382,8 +392,13 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # a bas
 
 
 def uses_critic(cfg) -> bool:
-    """Only GAE reads a value function; the critic-free estimators build none."""
-    return cfg.adv_estimator == "gae"
+    """Only GAE reads a value function; the critic-free estimators build none, nor does distillation alone."""
+    return cfg.adv_estimator == "gae" and not distills_only(cfg)
+
+
+def distills_only(cfg) -> bool:
+    """A teacher without distill_with_reward: the advantages are the distillation term alone (compute_advantages)."""
+    return bool(cfg.teacher) and not cfg.distill_with_reward
 
 
 def rollout_rows(cfg) -> int:
@@ -580,7 +595,10 @@ def _problems(cfg: PPOConfig) -> list[str]:
     need(cfg.adv_estimator not in GROUP_ESTIMATORS or cfg.n_samples_per_prompt > 1, "n_samples_per_prompt",
          f"must be > 1 for adv_estimator={cfg.adv_estimator!r} (its baseline comes from the other responses to the prompt)")
     need(not cfg.filter_groups or cfg.n_samples_per_prompt > 1, "filter_groups", "needs n_samples_per_prompt > 1")
-    need(cfg.critic_warmup == 0 or uses_critic(cfg), "critic_warmup", f"needs a critic (adv_estimator='gae'), not {cfg.adv_estimator!r}")
+    need(cfg.critic_warmup == 0 or uses_critic(cfg), "critic_warmup",
+         "needs a critic: distillation alone trains none (distill_with_reward=true keeps adv_estimator's)"
+         if distills_only(cfg) else f"needs a critic (adv_estimator='gae'), not {cfg.adv_estimator!r}")
+    need(math.isfinite(cfg.distill_coef) and cfg.distill_coef > 0, "distill_coef", "must be a finite number > 0")
     need(cfg.critic_warmup < cfg.iterations, "critic_warmup", f"must be < iterations ({cfg.iterations})")
     need(cfg.overlong_buffer <= cfg.max_new_tokens, "overlong_buffer", f"must be <= max_new_tokens ({cfg.max_new_tokens})")
     need(cfg.allow_filtered_sampling or (cfg.top_p == 1.0 and cfg.top_k == 0), "top_p" if cfg.top_p != 1.0 else "top_k",
@@ -686,7 +704,19 @@ def _unread_settings(cfg: PPOConfig) -> list[str]:
         if cfg.kl_in_reward and not cfg.entropy_coef:
             unread("loss_agg", "policy_loss_kind", "GMPO averages over sequences; loss_agg reduces only a KL loss "
                                                    "term (kl_in_reward=false) and the entropy bonus (entropy_coef)")
-    if not uses_critic(cfg):
+    if not cfg.teacher:
+        for key in ("distill_coef", "distill_with_reward"):
+            unread(key, "teacher", "no teacher, no distillation")
+    if distills_only(cfg):  # the advantages are the teacher's alone: nothing of the reward's or the estimator's is read
+        for key in ("adv_estimator", "critic", "critic_lr", "value_clip", "lam", "whiten_advantages", "whiten_rewards",
+                    "reward_clip", "missing_eos_penalty", "overlong_buffer"):
+            unread(key, "distill_with_reward", "distillation alone trains on the teacher's per-token advantages; "
+                                               "distill_with_reward=true adds the reward's")
+        if cfg.kl_in_reward:  # the reference's KL penalty lives in the rewards (kl_in_reward=false: a loss term, kept)
+            for key in ("kl_coef", "kl_target", "kl_reward_kind"):
+                unread(key, "distill_with_reward", "distillation alone reads no reward, so no KL penalty in it; "
+                                                   "kl_in_reward=false keeps the KL to the reference as a loss term")
+    elif not uses_critic(cfg):
         for key in ("critic", "critic_lr", "value_clip", "lam", "whiten_advantages"):
             unread(key, "adv_estimator", "a critic-free estimator: no critic, no GAE, its own normalisation")
     if cfg.kl_in_reward:

@@ -1,18 +1,20 @@
 """A rollout's experience: prompts encoded, responses sampled and scored, and the training code path's forward over
-them (old and reference log-probs, entropy, values). The loop (ppo_core.train) takes one Rollout an iteration.
+them (old, reference and teacher log-probs, entropy, values). The loop (ppo_core.train) takes one Rollout an iteration.
 
     rollout, ended, stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg,
                                               generator, autocast)
     rollout.old_logprobs, rollout.ref_logprobs, rollout.old_values      # [B, R] float32, 0 after each response
+    rollout.teacher_logprobs                                            # [B, R] with cfg.teacher, else None
     rollout.scores, rollout.group                                       # [B]: the reward, the prompt's index
 
   iteration: iteration_rollout: rollout_batch_size prompts x n_samples_per_prompt, this process's rows of the
              global batch; with filter_groups, DAPO's group filter over batches gathered from every process
              (gather_sampled, select_sampled)
-  forward:   rollout_forward runs response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs
-             and response_values over a Sampled batch in micro-batches -> Rollout (padded ones of micro_batch_size
-             rows, or packed ones of micro_batch_tokens tokens: ppo_core.data.packing); the update (ppo_core.update)
-             runs the same heads, so the first minibatch's ratio is 1 up to the order of a log-sum-exp
+  forward:   rollout_forward runs response_logprobs (fused LM-head kernel or the torch reference), reference_logprobs,
+             the teacher's response_logprobs (cfg.teacher) and response_values over a Sampled batch in micro-batches
+             -> Rollout (padded ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens:
+             ppo_core.data.packing); the update (ppo_core.update) runs the same heads, so the first minibatch's ratio
+             is 1 up to the order of a log-sum-exp
   evaluate:  the mean reward over held-out prompts
   prompts:   prompt_token_ids, render_prompt, encode_prompts: the token ids the policy sees, left-padded;
              with_reference_responses for a pairwise judge
@@ -52,7 +54,7 @@ IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool o
 # ---------------------------------------------------------------------------- the entry points
 
 def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast,
-                      sample_only=False):
+                      sample_only=False, teacher=None):
     """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
     consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
     scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
@@ -85,7 +87,8 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
             stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
             if sample_only:
                 return sampled, group, stats
-            return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+            rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
+            return rollout, sampled.ended, stats
         everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
         varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
         kept.append((everything, varied))
@@ -103,15 +106,16 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
     if sample_only:
         return sampled, group, stats
-    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended, stats
+    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher), sampled.ended, stats
 
 
 @torch.no_grad()
-def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast) -> Rollout:
+def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast, teacher=None) -> Rollout:
     """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
-    without a critic), in micro-batches (cfg.micro_batch_size rows, or packed ones of cfg.micro_batch_tokens tokens).
-    group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout the old log-probs
-    and entropy are the decoding pass's: no policy forward."""
+    without a critic), and with a teacher (on-policy distillation, cfg.teacher) its log-probs of the sampled tokens,
+    computed as the reference's; in micro-batches (cfg.micro_batch_size rows, or packed ones of cfg.micro_batch_tokens
+    tokens). group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout the old
+    log-probs and entropy are the decoding pass's: no policy forward."""
     policy.eval()
     input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
     attended = sampled.response_mask.bool() if sampled.attended is None else sampled.attended  # observations too
@@ -120,6 +124,7 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
     response_mask, P = sampled.response_mask, sampled.prompt_ids.shape[1]
     B, R = response_mask.shape
     old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros(B, R, device=input_ids.device) for _ in range(4))
+    teacher_logprobs = torch.zeros(B, R, device=input_ids.device) if teacher is not None else None  # [B, R]
     chunks, n_real = scoring_micro_batches(host_mask, cfg)
     with autocast():  # one region for every micro-batch: its cast cache holds one bf16 copy of the policy's weights
         for i, mb in enumerate(chunks):
@@ -130,10 +135,13 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
             else:
                 lp, ent = response_logprobs(policy, *args, packed=packed)
             ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
+            teacher_lp = response_logprobs(teacher, *args, packed=packed)[0] if teacher is not None else None
             v = response_values(critic, input_ids[mb], attention_mask[mb], P, packed) if critic is not None else None
             if i >= n_real:  # a forward run only to match another process's count
                 continue
             old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
+            if teacher_lp is not None:
+                teacher_logprobs[mb] = teacher_lp.float()
             if v is not None:
                 old_values[mb] = v.float()
     behav_logprobs = None
@@ -141,7 +149,8 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
         behav_logprobs = sampled.decode_logprobs * response_mask
     return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
                    old_logprobs, ref_logprobs, old_values * response_mask, entropy, sampled.scores,
-                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask, behav_logprobs=behav_logprobs)
+                   group.to(input_ids.device), sampled=sampled, host_mask=host_mask, behav_logprobs=behav_logprobs,
+                   teacher_logprobs=teacher_logprobs)
 
 
 @dataclass
@@ -166,6 +175,7 @@ class Rollout:
     sampled: "Sampled" = None  # what was sampled and scored: the rows, texts and reward components (for samples.jsonl)
     host_mask: torch.Tensor = None  # [B, P+R] bool on the CPU: attention_mask, read by the packed passes (ppo_core.data.packing)
     behav_logprobs: torch.Tensor = None  # [B, R]: the sampler's own log-probs (cfg.off_policy_correction), 0 off the loss
+    teacher_logprobs: torch.Tensor = None  # [B, R]: log pi_teacher of the sampled tokens (cfg.teacher), 0 off the loss
 
 
 @torch.no_grad()

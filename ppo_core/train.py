@@ -10,25 +10,27 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
                (with an environment: multi-turn episodes; with max_staleness=1, the rollout sampled one update
                earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker)
   2. score:    the reward function or model gives one scalar per response                   ppo_core.rewards.source
-  3. forward:  old log-probs and entropy (policy), reference log-probs, values (critic, if any), all with the
-               training code path, so the first minibatch's ratio is 1 up to the order of a log-sum-exp (measured
-               as policy/first_ratio_max_dev: 0.0 for the CPU demo, ~1e-6 at large vocabularies, ~1e-3 on a GPU
-               under bf16 autocast, where GEMM and attention kernels are chosen by batch shape)  ppo_core.rollout
+  3. forward:  old log-probs and entropy (policy), reference log-probs, the teacher's (on-policy distillation, if
+               any), values (critic, if any), all with the training code path, so the first minibatch's ratio is 1
+               up to the order of a log-sum-exp (measured as policy/first_ratio_max_dev: 0.0 for the CPU demo,
+               ~1e-6 at large vocabularies, ~1e-3 on a GPU under bf16 autocast, where GEMM and attention kernels
+               are chosen by batch shape)                                                       ppo_core.rollout
   4. rewards:  penalties on the raw score (missing EOS, overlong), optional whitening and clipping; then
                r_t = -beta * KL_t on every token, + the score on the last real token   ppo_core.update, ppo_core.algo
   5. advantages, by cfg.adv_estimator: GAE with the critic's values, whitened over the batch; or critic-free: the
                group-relative baselines of GRPO / Dr. GRPO / RLOO / REINFORCE++-baseline over each response's total
-               reward, or REINFORCE++'s whitened discounted return                     ppo_core.update, ppo_core.algo
+               reward, or REINFORCE++'s whitened discounted return; with a teacher, the per-token distillation
+               advantage -distill_coef * (log pi_old - log pi_teacher) instead, or added  ppo_core.update, ppo_core.algo
   6. update:   ppo_epochs over shuffled minibatches (stopped early past target_kl), gradient accumulation over
                micro-batches, the clipped surrogate (PPO's token ratio or GSPO's sequence ratio, + entropy bonus,
                + KL loss term) for the policy, the clipped value loss for the critic, AdamW, warm-up + cosine LR;
                the first critic_warmup iterations train the critic alone                               ppo_core.update
 Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
 
-Here: `run`; the set-up, each part a named function (build_models, make_reward_sources, prompt_rows and
-check_prompts, open_run_dir); an iteration's metrics and samples; `Checkpoints`, which saves and resumes the run and
-stops it early with what the README documents (a reward server down: a checkpoint and exit status 3; SIGTERM /
-SIGINT: a checkpoint and 143); and the command line, `main`.
+Here: `run`; the set-up, each part a named function (build_models, check_teacher and build_teacher,
+make_reward_sources, prompt_rows and check_prompts, open_run_dir); an iteration's metrics and samples;
+`Checkpoints`, which saves and resumes the run and stops it early with what the README documents (a reward
+server down: a checkpoint and exit status 3; SIGTERM / SIGINT: a checkpoint and 143); and the command line, `main`.
 """
 import contextlib
 import dataclasses
@@ -48,7 +50,7 @@ from .run import distributed as dist
 from .run import rollout_worker, runlog, tracking
 from .run.rollout_worker import RolloutClient
 from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
-from .models.model import CheckpointError, load_model, load_score_model
+from .models.model import CheckpointError, load_model, load_score_model, read_config
 from .run.precision import loss_paths, precision_line, resolve_precision
 from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
 from .rewards.remote import RewardUnavailable
@@ -85,11 +87,13 @@ def run(cfg: PPOConfig, resume_from=None):
     runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
     tokenizer = load_tokenizer(policy_path)  # the prompts are checked against it before any model is built
     check_chat_template(cfg, tokenizer, policy_path)
+    check_teacher(cfg, policy_path, tokenizer)
     train_rows, held_out, stream = prompt_rows(cfg)
     prompt_lengths = encoded_lengths(cfg, tokenizer, held_out + train_rows)
     policy, critic, reference = build_models(cfg, policy_path, tokenizer, device, precision.param_dtype)
+    teacher = build_teacher(cfg, device, precision.param_dtype)  # None without cfg.teacher
     reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
-    policy_train, critic_train = spread_over_processes(policy, critic, reference, reward_source, cfg, device)
+    policy_train, critic_train = spread_over_processes(policy, critic, reference, teacher, reward_source, cfg, device)
     train_rows, held_out, stream, overlong = fit_context(cfg, policy, train_rows, held_out, stream, prompt_lengths)
     longest = min(max(prompt_lengths, default=1), policy.args.max_position_embeddings - cfg.max_new_tokens)  # kept rows'
     check_batch(cfg, train_rows, longest, policy_path, world, device)  # the data and the memory hold it
@@ -116,7 +120,7 @@ def run(cfg: PPOConfig, resume_from=None):
         start_iter = ckpts.resume(ckpt)
     else:
         start_iter = 0
-        log_first_lines(log, cfg, policy_path, policy, world, device, run_dir, precision, train_rows, held_out)
+        log_first_lines(log, cfg, policy_path, policy, teacher, world, device, run_dir, precision, train_rows, held_out)
         if overlong:
             log.info(f"prompts: {overlong} rows dropped (drop_overlong_prompts): longer than the model's context leaves "
                      f"for max_new_tokens={cfg.max_new_tokens}")
@@ -140,14 +144,16 @@ def run(cfg: PPOConfig, resume_from=None):
                     share, worker_stats = workers.rollout(it, state)
                     sampled, group, filter_stats = sampled_from_state(share, device)
                     filter_stats.update(worker_stats)
-                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast)
+                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
                     ended = sampled.ended
                 elif cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
                     rollout, ended, filter_stats = stale_rollout(it, state, stream, policy, reference, critic,
-                                                                 tokenizer, reward_source, cfg, sample_gen, autocast)
+                                                                 tokenizer, reward_source, cfg, sample_gen, autocast,
+                                                                 teacher)
                 else:
                     rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
-                                                                     reward_source, cfg, sample_gen, autocast)  # 1-3
+                                                                     reward_source, cfg, sample_gen, autocast,
+                                                                     teacher=teacher)  # 1-3
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
             t_train = time.perf_counter()
@@ -219,7 +225,8 @@ def wire_autocast(precision):
     return precision.autocast_dtype if precision.param_dtype == torch.float32 else None
 
 
-def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast):
+def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast,
+                  teacher=None):
     """cfg.max_staleness = 1: iteration it trains on the rollout sampled (and scored) before the previous update, with
     the weights iteration it-1 started from (the first iteration samples its own), and samples iteration it+1's now,
     with its own starting weights, as a rollout worker one update behind would while it trains. The one sampled but
@@ -234,7 +241,7 @@ def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, rewar
     if it + 1 < cfg.iterations:  # sampled with the weights iteration it starts from: version it
         state["pending_rollout"] = dict(sampled_state(*iteration_rollout(it + 1, *args, sample_only=True)),
                                         weights_version=it)
-    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended,
+    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher), sampled.ended,
             dict(stats, **{"off_policy/staleness": staleness}))
 
 
@@ -297,6 +304,40 @@ def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
     return policy, critic, reference
 
 
+def check_teacher(cfg: PPOConfig, policy_path, tokenizer):
+    """A teacher (cfg.teacher) scores the policy's sampled tokens by their ids, so it must read them as the policy
+    does: a checkpoint directory whose tokenizer maps every token to the policy's id and whose vocabulary size (its
+    LM head's rows, what its log-softmax normalises over) is the policy's. A ConfigError naming the key otherwise,
+    before any model is built. `tokenizer`: the policy's."""
+    if not cfg.teacher:
+        return
+    if not os.path.isdir(cfg.teacher):
+        raise ConfigError(f"config key 'teacher': no such checkpoint directory: {cfg.teacher!r}")
+    try:
+        teacher_vocab, policy_vocab = load_tokenizer(cfg.teacher).backend.get_vocab(), tokenizer.backend.get_vocab()
+        teacher_size, policy_size = read_config(cfg.teacher)["vocab_size"], read_config(policy_path)["vocab_size"]
+    except (CheckpointError, FileNotFoundError) as e:
+        raise ConfigError(f"config key 'teacher': {e}") from None
+    if teacher_vocab != policy_vocab:
+        differ = min(set(teacher_vocab.items()) ^ set(policy_vocab.items()), key=lambda item: (item[1], item[0]))[0]
+        def where(vocab):
+            return f"id {vocab[differ]}" if differ in vocab else "absent"
+        raise ConfigError(f"config key 'teacher': the tokenizer of {cfg.teacher} differs from the policy's "
+                          f"({policy_path}): token {differ!r} is {where(teacher_vocab)} in the teacher's, "
+                          f"{where(policy_vocab)} in the policy's; a teacher must share the policy's tokenizer")
+    if teacher_size != policy_size:
+        raise ConfigError(f"config key 'teacher': {cfg.teacher} has a vocabulary of {teacher_size} tokens, the policy "
+                          f"{policy_size}; a teacher's log-probs must be over the policy's vocabulary")
+
+
+def build_teacher(cfg: PPOConfig, device, param_dtype):
+    """The frozen teacher of on-policy distillation (cfg.teacher; checked by check_teacher), loaded as the reference
+    is; None without one."""
+    if not cfg.teacher:
+        return None
+    return load_model(cfg.teacher, dtype=param_dtype, device=device).eval().requires_grad_(False)
+
+
 def check_chat_template(cfg: PPOConfig, tokenizer, policy_path):
     """With cfg.chat_template, the policy's tokenizer must have a chat template to render prompts with."""
     if cfg.chat_template:
@@ -318,7 +359,7 @@ def make_reward_sources(cfg: PPOConfig, device, param_dtype):
     return reward_source, eval_source
 
 
-def spread_over_processes(policy, critic, reference, reward_source, cfg, device):
+def spread_over_processes(policy, critic, reference, teacher, reward_source, cfg, device):
     """With more than one process: FSDP2-shard (cfg.parallel='fsdp') or DDP-wrap the trainable models, and
     shard the frozen ones too with cfg.shard_frozen under FSDP. Returns the modules that training forwards
     run through: (policy, critic) themselves, or their DDP wrappers. One process: the models as they are.
@@ -333,6 +374,8 @@ def spread_over_processes(policy, critic, reference, reward_source, cfg, device)
     if cfg.shard_frozen:
         if reference is not policy:
             dist.shard(reference, device)
+        if teacher is not None:
+            dist.shard(teacher, device)
         if hasattr(reward_source, "model"):  # its score() reads the head outside forward: keep the root whole
             dist.shard(reward_source.model, device, root=False)
     return policy, critic
@@ -438,10 +481,17 @@ def kl_controller(cfg: PPOConfig):
             else algo.FixedKLController(cfg.kl_coef))
 
 
-def log_first_lines(log, cfg: PPOConfig, policy_path, policy, world, device, run_dir, precision, train_rows, held_out):
-    """What a new run says first: the policy and where it runs, its precision, its loss paths, its prompts."""
+def log_first_lines(log, cfg: PPOConfig, policy_path, policy, teacher, world, device, run_dir, precision, train_rows,
+                    held_out):
+    """What a new run says first: the policy and where it runs, its teacher, its precision, its loss paths, its
+    prompts."""
     log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
              f"run dir {run_dir.path}")
+    if teacher is not None:
+        trains_on = ("the distillation advantage + the task reward's" if cfg.distill_with_reward
+                     else "the distillation advantage alone; the task reward is logged, not trained on")
+        log.info(f"teacher {cfg.teacher} ({teacher.num_parameters() / 1e6:.2f}M params): on-policy distillation, "
+                 f"distill_coef={cfg.distill_coef}, {trains_on}")
     log.info(f"precision: {precision_line(precision)}")
     log.info(f"loss paths: {loss_paths(cfg, device)}")
     if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
@@ -461,6 +511,10 @@ def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, op
     scores = dist.all_gather_rows(rollout.scores)
     advantages, returns = dist.all_gather_rows(rollout.advantages), dist.all_gather_rows(rollout.returns)
     kl_tok = algo.kl_estimate(old_lp, ref_lp, "k1")
+    distill = {}
+    if rollout.teacher_logprobs is not None:  # KL(pi_old || teacher), k1 per token: what distillation drives down
+        teacher_lp = dist.all_gather_rows(rollout.teacher_logprobs)
+        distill["distill/reverse_kl"] = algo.masked_mean(algo.kl_estimate(old_lp, teacher_lp, "k1"), mask).item()
     metrics = {
         "step": it + 1,
         "reward/mean": scores.mean().item(),
@@ -469,6 +523,7 @@ def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, op
         "kl/k3_mean": algo.masked_mean(algo.kl_estimate(old_lp, ref_lp, "k3"), mask).item(),
         "kl/seq_mean": (kl_tok * mask).sum(-1).mean().item(),
         "kl/coef": kl_coef,
+        **distill,
         "entropy/mean": algo.masked_mean(dist.all_gather_rows(rollout.entropy), mask).item(),
         **train_stats,
         **filter_stats,

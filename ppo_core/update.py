@@ -5,7 +5,8 @@
 
   advantages: penalties on the raw scores, r_t = -beta * KL_t on every token (with kl_in_reward) + the score on the
               last one, then cfg.adv_estimator's advantages (GAE with the critic's values, or a critic-free
-              baseline), computed on the global batch; the math is ppo_core.algo's
+              baseline), computed on the global batch; the math is ppo_core.algo's. With a teacher (on-policy
+              distillation) A_t = -distill_coef * (log pi_old - log pi_teacher), alone or added to those
   update:     ppo_update: shuffled minibatches of the global batch (stopped early past target_kl); minibatch_gradients
               runs each in micro-batches whose gradients add up to the minibatch's, summed across processes: padded
               ones of micro_batch_size rows (each process its own rows), or with micro_batch_tokens packed ones
@@ -38,7 +39,9 @@ from .rollout import Rollout, micro_batches, response_head, response_labels, res
 # ---------------------------------------------------------------------------- the entry points
 
 def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_with_eos):
-    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> advantages by cfg.adv_estimator.
+    """Scores -> per-token rewards (KL in the reward when cfg.kl_in_reward) -> advantages by cfg.adv_estimator; with a
+    teacher (cfg.teacher) the distillation advantage replaces them, or is added to them with cfg.distill_with_reward
+    (the rewards and returns stay the reward's: logged, and no critic reads them without distill_with_reward).
 
     Computed on the GLOBAL batch (all processes' rows gathered), so batch statistics (reward and advantage
     whitening, a prompt's group of responses) are those of the whole batch; each process keeps its own rows.
@@ -66,6 +69,11 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, ended_w
         else:
             # each response's total reward (its score, minus its KL penalty with kl_in_reward) against its group's
             advantages = algo.group_advantages(rewards.sum(-1), group, mask, cfg.adv_estimator)
+    if cfg.teacher:  # on-policy distillation: the teacher's per-token signal, alone or beside the estimator's
+        teacher_logprobs = dist.all_gather_rows(rollout.teacher_logprobs)  # [B_global, R]
+        # A_t = -distill_coef * (log pi_old(y_t) - log pi_teacher(y_t)), the student's log-probs the rollout's old ones
+        distill = algo.distillation_advantages(old_logprobs, teacher_logprobs, mask, cfg.distill_coef)
+        advantages = advantages + distill if cfg.distill_with_reward else distill
     rollout.rewards, rollout.advantages, rollout.returns = rewards[lo:hi], advantages[lo:hi], returns[lo:hi]
 
 
@@ -177,7 +185,8 @@ def every_process_rows(rollout: Rollout) -> Rollout:
         return rollout
     tensors = {name: dist.all_gather_rows(getattr(rollout, name))
                for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs", "old_values",
-                            "entropy", "advantages", "returns", "behav_logprobs") if getattr(rollout, name) is not None}
+                            "entropy", "advantages", "returns", "behav_logprobs", "teacher_logprobs")
+               if getattr(rollout, name) is not None}
     return dataclasses.replace(rollout, **tensors, host_mask=tensors["attention_mask"].cpu())
 
 
