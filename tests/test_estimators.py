@@ -363,7 +363,9 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     assert calls == kernels_called, calls
     if kernels_called:
         kind = cfg.policy_loss_kind
-        assert policy_part.startswith(f"policy loss: algo.{algo.policy_loss_function(kind).__name__} + ")
+        # the terms added around the loss, as cfg adds them: the KL term in the loss, the entropy bonus
+        terms = (" + the KL term" if not cfg.kl_in_reward else "") + (" - the entropy bonus" if cfg.entropy_coef else "")
+        assert policy_part.startswith(f"policy loss: algo.{algo.policy_loss_function(kind).__name__}{terms}, ")
         assert f"on fused {kernels_called[0]} (chunked torch" in policy_part
     else:
         assert line.startswith("the torch reference for every head") and "fused linear" not in line
