@@ -461,10 +461,10 @@ def open_run_dir(cfg: PPOConfig, policy_path, resume_from, precision):
     ckpt, ckpt_notes = checkpoint.resume_checkpoint(run_dir.path)  # verified against its manifest, else an older one
     # Metrics of iterations after the checkpoint belong to work a resume redoes.
     done = 0 if ckpt is None else checkpoint.checkpoint_step(ckpt)
-    run_dir.truncate_metrics(done)
-    tracking.truncate_samples(run_dir.path, done)
+    torn = [run_dir.truncate_metrics(done), tracking.truncate_samples(run_dir.path, done)]  # a line if a torn end went
     log = runlog.Logger(run_dir, progress=cfg.progress)
-    for note in ckpt_notes:  # a checkpoint skipped and why, or used unverified: the run's first lines
+    # the run's first lines: a checkpoint skipped and why, or used unverified; a file's torn end dropped
+    for note in ckpt_notes + [line for line in torn if line]:
         log.info(note)
     if run_dir.replaced:  # a run that stopped before its first checkpoint, started again with another config
         log.info(run_dir.replaced)
@@ -584,6 +584,7 @@ class RewardServerDown(Exception):
 
 
 EXIT_REWARD_SERVER_DOWN = 3  # not 2 (bad input): nothing is wrong with the run, it can continue
+EXIT_DISK_FULL = 4  # not 2 either: the run can continue (--resume) once there is space (runlog.disk_full_line)
 
 
 def resume_point(stream, generators, opts):
@@ -758,7 +759,8 @@ Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the '
 Every field of ppo_core.config.PPOConfig is a --KEY (listed below; configs/default.toml has them all).
 --resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json.
 Exit status: 0 done; 1 too many non-finite updates; 2 bad input (one line); 3 a reward server (--reward_url) stayed
-unreachable: a checkpoint is saved, continue with --resume once it is back; 143 stopped by SIGTERM / SIGINT."""
+unreachable: a checkpoint is saved, continue with --resume once it is back; 4 the disk is full: the last checkpoint and
+every whole metrics line are kept, continue with --resume once there is space; 143 stopped by SIGTERM / SIGINT."""
 
 
 # what --resume may change: the progress bar, and where the reward server now is
@@ -809,7 +811,13 @@ def main(argv=None):
         if dist.rank() == 0:  # every process stops at once; one line
             print(f"ppo-train: {e}", file=sys.stderr)
         return EXIT_REWARD_SERVER_DOWN
+    except Exception as e:  # last: the clauses above are Exceptions too
+        if not runlog.disk_full(e):
+            raise
+        print(f"ppo-train: error: {runlog.disk_full_line(e, run_path(cfg, resume))}", file=sys.stderr)
+        return EXIT_DISK_FULL
     finally:
+        runlog.release_run_dir()
         dist.shutdown()
     return 0
 

@@ -1387,11 +1387,40 @@ def _atomic_write(path, write):
 
 def checkpoint_dir(path) -> str:
     """`path` with `~` expanded, checked to be a directory (every loader starts here, so a mistyped path says
-    so rather than naming the first file it lacks). Raises CheckpointError."""
+    so rather than naming the first file it lacks) whose files are its own (check_links). Raises CheckpointError."""
     path = os.path.expanduser(os.fspath(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"not a directory: {path!r}" if os.path.exists(path) else f"no such directory: {path!r}")
+    check_links(path)
     return path
+
+
+def link_root(path) -> str:
+    """The folder a checkpoint's symbolic links may point into: the checkpoint itself (resolved), or, for a snapshot
+    of the Hugging Face cache (models--ORG--NAME/snapshots/REV, whose files are links to ../../blobs/SHA), the
+    model's whole cache folder models--ORG--NAME."""
+    real = os.path.realpath(path)
+    parts = real.split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            return os.sep.join(parts[:i])
+    return real
+
+
+def check_links(path):
+    """CheckpointError (one line naming the file) when an entry of checkpoint directory `path` is a symbolic link that
+    resolves outside link_root(path): a loader would read it, and every save copy it, as the checkpoint's own (a
+    chat_template.jinja linked to a key file lands in each saved tokenizer_config.json). Dot-directories (.git,
+    .cache), which no loader reads, are not searched."""
+    root = link_root(path)
+    for folder, dirs, files in os.walk(path):  # links to directories are checked, not followed
+        dirs[:] = [d for d in dirs if not d.startswith(".") or os.path.islink(os.path.join(folder, d))]
+        for name in dirs + files:
+            entry = os.path.join(folder, name)
+            target = os.path.realpath(entry)
+            if os.path.islink(entry) and os.path.commonpath([target, root]) != root:
+                raise CheckpointError(f"{entry} is a symbolic link to {target}, outside the checkpoint directory "
+                                      f"{root}: refused (copy the file into the checkpoint instead)")
 
 
 def read_json_object(file) -> dict:

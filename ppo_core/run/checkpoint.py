@@ -27,14 +27,16 @@ points `latest` at it; a process killed anywhere in between leaves the previous 
 
 A resume trusts nothing it has not checked (resume_checkpoint): every file of the step must match its manifest
 (size, then SHA-256, read in 4 MiB chunks), else the step is skipped, with a line saying which file, for the
-newest older step that does match; trainer_state.json must pass a schema check (STATE_SCHEMA), and the optimizer
-moments must have the shapes of the parameters they belong to. A step saved before checkpoints carried a manifest
-(trainer_state.json without "manifest") is used unverified, with a line saying so.
+newest older step that does match; `latest` missing, or naming a step that is not there, is said in a line and the
+newest intact step resumed (never a silent restart); trainer_state.json must pass a schema check (STATE_SCHEMA), and
+the optimizer moments must have the shapes of the parameters they belong to. A step saved before checkpoints carried
+a manifest (trainer_state.json without "manifest") is used unverified, with a line saying so.
 """
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -43,7 +45,7 @@ from safetensors.torch import save_file
 
 from . import distributed as dist
 from ..models import lora
-from ..models.model import CheckpointError, read_safetensors
+from ..models.model import CheckpointError, check_links, read_safetensors
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
@@ -167,10 +169,13 @@ def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, cr
     if rank0:
         write_manifest(tmp)  # last: it vouches for every file above, each process's shards included
         _fsync_tree(tmp)
-        if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
-            shutil.rmtree(final)
+        old = os.path.join(root, f".tmp-old-{name}")  # cleaned by clean_partial_saves if a kill leaves it
+        if os.path.exists(final):  # the same step saved again (after a resume): set aside, not removed, so that a kill
+            shutil.rmtree(old, ignore_errors=True)  # leaves `latest` naming a missing step (resume_checkpoint then
+            os.rename(final, old)  # takes the newest intact one) for the time of a rename, not of a whole rmtree
         os.rename(tmp, final)
         _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
         hook("renamed")
         latest_tmp = os.path.join(root, LATEST + ".tmp")
         with open(latest_tmp, "w") as f:
@@ -283,9 +288,21 @@ def load_sharded(path, roles: dict):
             opt.state[params[fqn]] = st
 
 
+STEP_NAME = re.compile(r"step-([1-9][0-9]*)")  # what save_checkpoint names a step: no leading zero, no suffix
+
+
+def saved_steps(root) -> list:
+    """The step numbers of the `step-N` directories in checkpoints directory `root`, newest first. Names this module
+    does not make (`step-best`, `step-07`, a file called step-3) are not steps: never pruned, resumed or counted."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(m.group(1)) for d in os.listdir(root)
+             if (m := STEP_NAME.fullmatch(d)) and os.path.isdir(os.path.join(root, d))]
+    return sorted(steps, reverse=True)
+
+
 def _prune(root, keep, current):
-    steps = sorted((int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("step-")), reverse=True)
-    for s in steps[keep:]:
+    for s in saved_steps(root)[keep:]:
         if f"step-{s}" != current:
             shutil.rmtree(os.path.join(root, f"step-{s}"), ignore_errors=True)
 
@@ -374,25 +391,41 @@ def verify_step(step_dir) -> bool:
     return True
 
 
+def _pointer(root):
+    """What checkpoints/latest says (a step name, stripped), or None when there is no such file."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer, "rb") as f:
+        return f.read(100).decode("utf-8", "replace").strip()
+
+
 def resume_checkpoint(run_path):
     """The checkpoint a resume loads: the step `latest` names if its files match its manifest, else the newest older
-    step that does. -> (path or None, notes): notes are the lines the run prints first (a step skipped and why, a step
-    used unverified). CheckpointError when steps exist and none is intact, naming each step's first bad file."""
-    newest = latest_checkpoint(run_path)
-    if newest is None:
+    step that does. With `latest` missing, or naming a step that is not there (a kill while a step was re-saved), the
+    newest intact step of them all, with a line saying so. -> (path or None, notes): notes are the lines the run prints
+    first (a step skipped and why, a step used unverified, `latest` lost). None only when there is neither `latest` nor
+    any step. CheckpointError when steps exist and none is intact, naming each step's first bad file."""
+    root = os.path.join(run_path, "checkpoints")
+    steps, named = saved_steps(root), _pointer(root)
+    if named is None and not steps:
         return None, []
-    root = os.path.dirname(newest)
-    newest_step = int(os.path.basename(newest).split("-")[1])
-    older = sorted((int(d.split("-")[1]) for d in os.listdir(root)
-                    if d.startswith("step-") and d.split("-")[1].isdigit() and int(d.split("-")[1]) < newest_step),
-                   reverse=True)
+    pointer, lost = os.path.join(root, LATEST), None
+    match = STEP_NAME.fullmatch(named or "")
+    if match and int(match.group(1)) in steps:
+        candidates = [s for s in steps if s <= int(match.group(1))]  # newer ones: saved, `latest` not yet moved
+    else:
+        candidates = steps
+        lost = f"{pointer} is missing" if named is None else f"{pointer} names {named!r}, which is not a step in {root}"
     notes, refused = [], []
-    for path in [newest] + [os.path.join(root, f"step-{s}") for s in older]:
+    for path in [os.path.join(root, f"step-{s}") for s in candidates]:
         try:
             verified = verify_step(path)
         except CheckpointMismatch as e:
             refused.append(str(e))
             continue
+        if lost:
+            notes.append(f"warning: {lost}: resuming from {path}, the newest intact step")
         if refused:
             notes += [f"warning: checkpoint refused: {why}" for why in refused]
             notes.append(f"warning: resuming from {path}, the newest intact checkpoint (the newer ones failed "
@@ -402,6 +435,9 @@ def resume_checkpoint(run_path):
                          f"are used unverified")
         read_state(path)  # the schema: a step whose state file is malformed is an error, not a fallback
         return path, notes
+    if not refused:
+        raise CheckpointError(f"{lost} and no step-N directory is left to resume from; the run cannot continue: "
+                              f"choose another --out to start again")
     raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(refused))
 
 
@@ -499,6 +535,7 @@ def load_training_state(path, *, policy, critic, policy_opt, critic_opt, generat
     CheckpointError naming the file and the key."""
     # A sharded checkpoint also resumes on another number of processes (each tensor's chunks carry their
     # offsets), a single process included, where the models are plain and read their whole tensors.
+    check_links(path)  # a step's files are its own, as any checkpoint's (ppo_core.models.model.check_links)
     from_shards = sharded or os.path.isdir(os.path.join(path, SHARDED_DIR))
     state = read_state(path)
     roles = _roles(policy, policy_opt, critic, critic_opt)

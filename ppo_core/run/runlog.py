@@ -6,12 +6,16 @@
     DIR/checkpoints/step-N the policy (and tokenizer) in the Hugging Face layout
     DIR/error.log          when a reward function or environment of the user's raised, or its file did not import:
                            the time, the error line and the full traceback, one entry per failed attempt (log_error)
+    DIR/run.lock           the pid of the process that owns the run, which holds an flock on it (lock_run_dir): a
+                           second ppo-train on the same directory is refused before it reads or writes anything
 
 Without --out, DIR is runs/<policy directory's name>-<task>-<date>-<time> (see default_run_path).
 Only rank 0 writes; every helper here is a no-op on the other ranks, so the loop never says
 `if rank == 0`.
 """
 import datetime
+import errno
+import fcntl
 import json
 import os
 import platform
@@ -166,19 +170,124 @@ def _read_json(path) -> dict:
         return json.load(f)
 
 
+def _jsonl_row(line: bytes):
+    """A line of a JSON-lines log as its object, or None unless it is a JSON object with an integer "step"."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # torn, NUL bytes, not UTF-8
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
 def truncate_jsonl(path, step):
     """Keep the lines of a JSON-lines log (metrics.jsonl, samples.jsonl) whose "step" is <= step, replacing the file
-    atomically (rank 0 only; a missing file is left missing)."""
+    atomically (rank 0 only; a missing file is left missing). Its torn end, what a crash or a full disk leaves after
+    the last whole line (half a line, NUL bytes), is dropped: -> a line saying what was dropped, else None. A line
+    that is not a JSON object with a "step" before a whole one is no torn end: RunDirError naming file and line."""
     if not is_rank0() or not os.path.isfile(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        return None
+    kept, torn = [], []  # torn: (line number, bytes) of the lines since the last whole one
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = _jsonl_row(line)
+            if row is None:
+                torn.append((number, line))
+                continue
+            if torn:
+                raise RunDirError(f"{path}, line {torn[0][0]}: not a JSON object with a \"step\", and whole lines "
+                                  f"follow it (only a torn end is dropped on resume); remove or repair that line")
+            if row["step"] <= step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "wb") as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    if not torn:
+        return None
+    dropped = b"".join(line for _, line in torn)
+    text = dropped.replace(b"\0", b"").decode("utf-8", "replace").strip()  # what the torn line said, if anything
+    if not text:
+        what = "all NUL"
+    else:
+        what = repr(text[:60]) + (" and NUL bytes" if b"\0" in dropped else "")
+    lines = f"line {torn[0][0]}" if len(torn) == 1 else f"lines {torn[0][0]}-{torn[-1][0]}"
+    return (f"warning: dropped the torn end of {path} ({lines}: {len(dropped)} bytes, {what}), left by a write that "
+            f"did not finish")
+
+
+def lock_run_dir(path):
+    """Make this process the owner of run directory `path` (created if missing): an exclusive flock on DIR/run.lock,
+    held until the process ends (or release_run_dir), and its pid written there. RunDirError naming the holder's pid
+    when another process owns it; nothing else is read or written then. The kernel drops the lock of a process that
+    dies, however it dies (SIGKILL included): a killed run's directory is never locked for the next one."""
+    global _run_lock
+    release_run_dir()  # a run this process ran before (tests run several in one process)
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, "run.lock"), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by subprocesses
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirError(f"output directory {path} is in use by another ppo-train (pid {holder}); wait for it to "
+                          f"end, or choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _run_lock = fd
+
+
+def release_run_dir():
+    """Give up the run directory this process owns, if any (lock_run_dir)."""
+    global _run_lock
+    if _run_lock is not None:
+        os.close(_run_lock)  # closing the descriptor releases the flock
+        _run_lock = None
+
+
+_run_lock = None  # the descriptor of DIR/run.lock while this process owns a run directory
+
+
+def _lock_on_first(path):
+    """lock_run_dir on the first process, which alone writes; every process raises its RunDirError."""
+    refused = torch.zeros(1, dtype=torch.int64)  # CPU tensor: gloo
+    error = None
+    if is_rank0():
+        try:
+            lock_run_dir(path)
+        except RunDirError as e:
+            error, refused[0] = e, 1
+    dist.broadcast_from_first(refused)
+    if error or refused.item():
+        raise error or RunDirError(f"output directory {path} is in use by another ppo-train")
+
+
+def disk_full(error) -> bool:
+    """Whether `error` says the disk (or the user's quota) is full: an OSError with ENOSPC / EDQUOT, or a library's
+    error carrying the system's words for it (safetensors' SafetensorError)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(words in str(error) for words in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "StorageFull"))
+
+
+def disk_full_line(error, run_path) -> str:
+    """The one line of a run stopped by a full disk (exit status 4, ppo_core.train.EXIT_DISK_FULL): which file, what
+    is kept, and how to continue once there is space. A failed save left nothing half-written (RunDir.save_checkpoint);
+    metrics.jsonl keeps its whole lines (a torn last one is dropped on resume)."""
+    global _open_run_dir
+    _open_run_dir = None  # the error ends the run
+    where = getattr(error, "filename", None) or run_path
+    try:
+        ckpt = checkpoint.latest_checkpoint(run_path) if run_path else None
+        kept = (f"the checkpoint of iteration {checkpoint.checkpoint_step(ckpt)} is intact" if ckpt
+                else "no checkpoint was saved yet")
+    except checkpoint.CheckpointError:
+        kept = "the newest intact checkpoint is kept"
+    return (f"the disk is full ({os.strerror(errno.ENOSPC)}) writing {where}; {kept} and no line already written was "
+            f"lost; free space, then continue with: ppo-train --resume {run_path}")
 
 
 class RunDir:
@@ -224,6 +333,8 @@ class RunDir:
         resolved["out"] = path
         cfg_file = os.path.join(path, "config.json")
         replaced = precision_changed = None
+        if not (resume_from and not os.path.isfile(cfg_file)):  # (that error, below, creates nothing)
+            _lock_on_first(path)  # before anything here is read, rewritten or removed
         if os.path.isfile(cfg_file):
             # a key the saved config lacks (a field added by a later version) holds its default there
             saved = {**to_dict(PPOConfig()), **cls.saved_config(path)}
@@ -274,8 +385,9 @@ class RunDir:
         return checkpoint.latest_checkpoint(self.path)
 
     def truncate_metrics(self, step):
-        """Keep the metrics of iterations <= step: later lines belong to iterations a resume redoes."""
-        truncate_jsonl(os.path.join(self.path, "metrics.jsonl"), step)
+        """Keep the metrics of iterations <= step: later lines belong to iterations a resume redoes. -> a line for the
+        log when a torn end was dropped (truncate_jsonl), else None."""
+        return truncate_jsonl(os.path.join(self.path, "metrics.jsonl"), step)
 
     def save_checkpoint(self, step, sharded=False, **kwargs):
         """Rank 0 saves; with sharded (FSDP) models every process takes part."""
@@ -283,7 +395,13 @@ class RunDir:
         if sharded:
             return checkpoint.save_checkpoint(self.path, step, sharded=True, **kwargs)
         if is_rank0():
-            out = checkpoint.save_checkpoint(self.path, step, **kwargs)
+            try:
+                out = checkpoint.save_checkpoint(self.path, step, **kwargs)
+            except Exception as e:  # a full disk, say: the half-written step goes now, and the space it took
+                checkpoint.clean_partial_saves(self.path)
+                if disk_full(e) and not getattr(e, "filename", None):  # safetensors' error, a write's: name the step
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out) from e
+                raise
         dist.barrier()
         return out
 
@@ -416,7 +534,8 @@ class Logger:
         # a bar only on a terminal: redirected to a file, tqdm's carriage-return frames are noise
         self.progress = progress and self.rank0 and sys.stderr.isatty()
         self.bar = None
-        self.file = open(os.path.join(run_dir.path, "metrics.jsonl"), "a") if self.rank0 else None
+        # unbuffered: a write the disk refuses is lost at once, never retried from a buffer at exit
+        self.file = open(os.path.join(run_dir.path, "metrics.jsonl"), "ab", buffering=0) if self.rank0 else None
         self.total = 0  # iterations in the run, for the per-iteration lines
         self.last = time.perf_counter()
 
@@ -439,8 +558,13 @@ class Logger:
     def metrics(self, m):
         if not self.rank0:
             return
-        self.file.write(json.dumps(m, sort_keys=True) + "\n")
-        self.file.flush()
+        line = memoryview((json.dumps(m, sort_keys=True) + "\n").encode())
+        try:
+            while line:  # a raw write may take part of it
+                line = line[self.file.write(line):]
+        except OSError as e:  # a write's error names no file: this one does (disk_full_line)
+            e.filename = e.filename or self.file.name
+            raise
         if self.bar is not None:
             self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", kl=f"{m['kl/mean']:.3f}", refresh=False)
         else:  # no terminal (nohup, a scheduler, | tee): one line an iteration, so a watcher sees the run move

@@ -238,5 +238,5 @@ def write_samples(run_dir: str, rows: list[dict], step: int):
 
 def truncate_samples(run_dir: str, step: int):
     """Keep the samples of iterations <= step: later lines belong to iterations a resume redoes
-    (as runlog.RunDir.truncate_metrics does for metrics.jsonl)."""
-    truncate_jsonl(os.path.join(run_dir, SAMPLES_FILE), step)
+    (as runlog.RunDir.truncate_metrics does for metrics.jsonl). -> a line when a torn end was dropped, else None."""
+    return truncate_jsonl(os.path.join(run_dir, SAMPLES_FILE), step)
