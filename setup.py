@@ -3,7 +3,8 @@
     pip install -e .            # the library and the `ppo-train` / `ppo-plan` commands
     pip install -e ".[test]"    # + pytest and transformers (used only as a reference in tests)
     pip install -e ".[real]"    # + transformers, gguf and accelerate, to make the real checkpoint (scripts/make_smollm2_checkpoint.py)
-    pip install -e ".[bench]"   # + TRL 1.12 and the libraries it runs with, for bench/e2e.py
+    pip install -e ".[bench]"   # + TRL 1.12 (its last PPOTrainer) and what it runs with, for bench/e2e.py; the
+                                #   GRPOTrainer comparison (bench/trl_grpo.py) used TRL 1.16, in a venv of its own
 """
 from setuptools import setup
 
@@ -43,7 +44,9 @@ setup(
         "parquet": ["pyarrow>=14"],
         "tensorboard": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.17"],
-        # bench/e2e.py's other side: TRL 1.12 (the last TRL with PPOTrainer) and the libraries it was measured with
+        # bench/e2e.py's other side: TRL 1.12 (the last TRL with PPOTrainer) and the libraries it was measured with.
+        # Not bench/trl_grpo.py's: the README's GRPOTrainer comparison used TRL 1.16, installed in a venv of its own
+        # (that script's docstring); one environment cannot hold both pins.
         "bench": ["trl==1.12.0", "transformers==5.24.0", "accelerate==1.16.0", "datasets==5.2.0"],
     },
     entry_points={

@@ -3,12 +3,16 @@
     ppo-train --config configs/default.toml --lr=5e-4 --ppo_epochs 2
 
 Precedence: defaults < the TOML file < command-line overrides. A list field (reward_fn, reward_weights) is a TOML
-list or comma-separated text (`--reward_fn=a.py:f,b.py:g`). `~` in path fields (policy, reference, teacher,
-critic, reward_model, prompts_file, eval_prompts_file, out, the file of a reward_fn) is expanded to the home directory.
+list or comma-separated text (`--reward_fn=a.py:f,b.py:g`). Paths (policy, reference, teacher, critic, reward_model,
+judge, prompts_file, eval_prompts_file, a judge_template file, the file of a reward_fn, eval_reward_fn or
+environment) are made absolute, `~` expanded, as the config is built (absolute_paths): config.json holds them so, and `--resume`
+works from any directory (`out` only has `~` expanded: a resume names its run directory). minibatch_size and
+micro_batch_size left at 0 become the sizes that fit the rollout (fit_batch_sizes), written as numbers.
 `help_text()` lists every field for `ppo-train --help`. A key that does not exist, a value of the
 wrong type or an impossible value is a `ConfigError` whose message names the key (and, for an unknown one, the
-closest valid keys, or the field another library's name means: `learning_rate` -> `lr`); every problem found is in
-the one error, "N config problems: ...; ...". The command line turns it into one line on stderr and exit status 2.
+fields it means, by another library's name for them, `learning_rate` -> `lr`, `clip_ratio` -> `clip_low` /
+`clip_high`, and the fields spelled closest); every problem found is in the one error, "N config problems: ...;
+...". The command line turns it into one line on stderr and exit status 2.
 """
 import ast
 import dataclasses
@@ -173,11 +177,12 @@ class PPOConfig:
     maps each kind to its function and the fields it reads; every kind trains on the fused head (fused_kernels)."""
     ppo_epochs: int = 4
     """Passes over each rollout batch."""
-    minibatch_size: int = 32
-    """Sequences per optimizer step; rollout_batch_size must be a multiple of it."""
-    micro_batch_size: int = 32
-    """Sequences per forward/backward; gradients accumulate over minibatch_size / micro_batch_size of them. Read only
-    with micro_batch_tokens = 0."""
+    minibatch_size: int = 0
+    """Sequences per optimizer step (0 = the largest divisor of the rollout's rows up to 32: all of a rollout of 32 or
+    fewer; config.json holds the number chosen); rollout_batch_size * n_samples_per_prompt must be a multiple of it."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward (0 = the largest divisor of minibatch_size up to 32; config.json holds the number
+    chosen); gradients accumulate over minibatch_size / micro_batch_size of them. Read only with micro_batch_tokens = 0."""
     micro_batch_tokens: int = 0
     """> 0: every pass over the experience (old and reference log-probs, values, a reward model's scores, the update)
     runs on packed micro-batches of at most this many real tokens (prompt + response, no padding; ppo_core.data.packing),
@@ -302,8 +307,8 @@ class PPOConfig:
     """Stop the run after this many consecutive updates with a non-finite loss or gradient (each is skipped)."""
     stop_grace_s: float = 20.0
     """After a SIGTERM / SIGINT, seconds the iteration in flight may take to finish and save; past them (or at a second
-    signal) it is abandoned, the last checkpoint kept: exit 143 (0 = wait for it). 20 s ends inside Slurm's and
-    Kubernetes' 30 s pre-emption grace."""
+    signal) it is abandoned, the last checkpoint kept: exit 143, the process gone within 2 s more whatever it was
+    doing (0 = wait for it). 20 s ends inside Slurm's and Kubernetes' 30 s pre-emption grace."""
     out: str = ""
     """Run directory. Empty = runs/<policy directory>-<task, or custom with your own prompts_file/reward_fn/reward_model>-<date>-<time>."""
     seed: int = 0
@@ -377,7 +382,9 @@ class PPOConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     threads: int = 1
-    """torch CPU threads (0 = torch's default, one per core). One is fastest for the tiny demo model."""
+    """torch CPU threads (0 = one per core this process may use, os.sched_getaffinity). A run's numbers do not depend
+    on it (the default job's metrics.jsonl and weights are bit-identical with 1 and 2). One is fastest for the tiny
+    demo model: with two, the default job took 3x as long on a 2-core machine with other work on it."""
     progress: bool = True
     """Show a progress bar on stderr (only when stderr is a terminal)."""
 
@@ -406,28 +413,89 @@ def rollout_rows(cfg) -> int:
     return cfg.rollout_batch_size * cfg.n_samples_per_prompt
 
 
-# Names other libraries (TRL, verl, Hugging Face Trainer) give to what a field here is, for the unknown-key hint.
+LARGEST_DEFAULT_BATCH = 32  # sequences: what minibatch_size and micro_batch_size left at 0 grow to at most
+
+
+def largest_divisor_up_to(n: int, limit: int) -> int:
+    """The largest d <= limit that divides n (n >= 1): the batch size of a default that always fits."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def fit_batch_sizes(cfg: PPOConfig) -> PPOConfig:
+    """minibatch_size and micro_batch_size left at 0 (their defaults) made the sizes that fit this rollout: minibatch
+    the largest divisor of the rollout's rows up to 32, micro-batch the largest divisor of the minibatch up to 32
+    (packed micro-batches, micro_batch_tokens > 0, leave it 0: nothing reads it). A size the user set is kept as it
+    is, for validate to refuse when it does not fit. Before the rows are known to be >= 1, nothing is changed."""
+    rows = rollout_rows(cfg)
+    if rows < 1:
+        return cfg
+    minibatch = cfg.minibatch_size or largest_divisor_up_to(rows, LARGEST_DEFAULT_BATCH)
+    micro = cfg.micro_batch_size
+    if not micro and not cfg.micro_batch_tokens and minibatch >= 1:
+        micro = largest_divisor_up_to(minibatch, LARGEST_DEFAULT_BATCH)
+    return dataclasses.replace(cfg, minibatch_size=minibatch, micro_batch_size=micro)
+
+
+# What other libraries (TRL, verl, OpenRLHF, Hugging Face Trainer, CleanRL) call a field here, for the unknown-key hint:
+# their name -> the field(s) it means. A name that is two things here names both.
 ALIASES = {
-    "learning_rate": "lr", "num_ppo_epochs": "ppo_epochs", "num_train_epochs": "ppo_epochs",
-    "per_device_train_batch_size": "minibatch_size", "train_batch_size": "rollout_batch_size",
-    "batch_size": "rollout_batch_size", "mini_batch_size": "minibatch_size", "ppo_mini_batch_size": "minibatch_size",
-    "ppo_micro_batch_size": "micro_batch_size", "ppo_micro_batch_size_per_gpu": "micro_batch_size",
-    "beta": "kl_coef", "init_kl_coef": "kl_coef", "kl_ctl": "kl_coef",
-    "max_completion_length": "max_new_tokens", "response_length": "max_new_tokens", "max_response_length": "max_new_tokens",
-    "num_generations": "n_samples_per_prompt", "num_samples": "n_samples_per_prompt",
-    "cliprange": "clip_low", "clip_ratio": "clip_low", "epsilon": "clip_low", "epsilon_high": "clip_high",
-    "cliprange_value": "value_clip", "entropy_coeff": "entropy_coef", "adam_epsilon": "adam_eps",
-    "max_steps": "iterations", "total_episodes": "iterations", "output_dir": "out",
-    "model_name_or_path": "policy", "sft_model_path": "policy", "ref_model": "reference",
-    "reward_model_path": "reward_model", "loss_type": "loss_agg", "train_file": "prompts_file",
+    "learning_rate": ("lr",), "actor_learning_rate": ("lr",), "actor_lr": ("lr",),
+    "critic_learning_rate": ("critic_lr",), "value_learning_rate": ("critic_lr",), "vf_lr": ("critic_lr",),
+    "num_ppo_epochs": ("ppo_epochs",), "num_train_epochs": ("ppo_epochs",), "max_epochs": ("ppo_epochs",),
+    "num_iterations": ("ppo_epochs",), "update_epochs": ("ppo_epochs",),
+    "per_device_train_batch_size": ("micro_batch_size", "minibatch_size"),
+    "micro_train_batch_size": ("micro_batch_size",),
+    "ppo_micro_batch_size": ("micro_batch_size",), "ppo_micro_batch_size_per_gpu": ("micro_batch_size",),
+    "gradient_accumulation_steps": ("minibatch_size", "micro_batch_size"), "mini_batch_size": ("minibatch_size",),
+    "ppo_mini_batch_size": ("minibatch_size",), "num_mini_batches": ("minibatch_size",),
+    "num_minibatches": ("minibatch_size",), "batch_size": ("rollout_batch_size",),
+    "train_batch_size": ("rollout_batch_size", "minibatch_size"), "micro_rollout_batch_size": ("rollout_batch_size",),
+    "num_generations": ("n_samples_per_prompt",), "num_samples": ("n_samples_per_prompt",),
+    "n": ("n_samples_per_prompt",),
+    "group_size": ("n_samples_per_prompt",), "num_return_sequences": ("n_samples_per_prompt",),
+    "beta": ("kl_coef",), "init_kl_coef": ("kl_coef",), "init_kl_coeff": ("kl_coef",), "kl_coeff": ("kl_coef",),
+    "kl_beta": ("kl_coef",), "kl_ctl": ("kl_coef",), "kl_penalty_coef": ("kl_coef",), "kl_loss_coef": ("kl_coef",),
+    "use_kl_loss": ("kl_in_reward",), "use_kl_in_reward": ("kl_in_reward",), "kl_penalty": ("kl_reward_kind",),
+    "kl_estimator": ("kl_reward_kind", "kl_loss_kind"), "kl_loss_type": ("kl_loss_kind",),
+    "adap_kl_ctrl": ("kl_target",), "horizon": ("kl_horizon",),
+    "max_completion_length": ("max_new_tokens",), "response_length": ("max_new_tokens",),
+    "max_response_length": ("max_new_tokens",), "generate_max_len": ("max_new_tokens",),
+    "max_tokens": ("max_new_tokens",),
+    "cliprange": ("clip_low", "clip_high"), "clip_ratio": ("clip_low", "clip_high"),
+    "eps_clip": ("clip_low", "clip_high"), "epsilon": ("clip_low", "clip_high"), "clip_coef": ("clip_low", "clip_high"),
+    "clip_range": ("clip_low", "clip_high"),
+    "clip_ratio_low": ("clip_low",), "epsilon_low": ("clip_low",), "clip_ratio_high": ("clip_high",),
+    "epsilon_high": ("clip_high",), "clip_ratio_c": ("dual_clip",), "dual_clip_c": ("dual_clip",),
+    "cliprange_value": ("value_clip",), "value_clip_range": ("value_clip",), "clip_vloss": ("value_clip",),
+    "entropy_coeff": ("entropy_coef",), "ent_coef": ("entropy_coef",), "entropy_loss_coef": ("entropy_coef",),
+    "gae_lambda": ("lam",), "lambd": ("lam",), "lmbda": ("lam",), "grad_clip": ("max_grad_norm",),
+    "adam_epsilon": ("adam_eps",), "lr_warmup_steps": ("warmup_steps",), "num_warmup_steps": ("warmup_steps",),
+    "loss_type": ("loss_agg", "policy_loss_kind"), "loss_agg_mode": ("loss_agg",),
+    "advantage_estimator": ("adv_estimator",), "norm_adv": ("whiten_advantages",),
+    "max_steps": ("iterations",), "total_episodes": ("iterations",), "num_episodes": ("iterations",),
+    "total_training_steps": ("iterations",), "total_timesteps": ("iterations",),
+    "output_dir": ("out",), "save_path": ("out",), "save_steps": ("save_every",), "eval_steps": ("eval_every",),
+    "model_name_or_path": ("policy",), "sft_model_path": ("policy",), "pretrain": ("policy",), "model": ("policy",),
+    "ref_model": ("reference",), "ref_pretrain": ("reference",), "critic_pretrain": ("critic",),
+    "value_model_path": ("critic",), "reward_model_path": ("reward_model",), "reward_pretrain": ("reward_model",),
+    "reward_funcs": ("reward_fn",), "remote_rm_url": ("reward_url",), "train_file": ("prompts_file",),
+    "train_files": ("prompts_file",), "prompt_data": ("prompts_file",), "dataset_name": ("prompts_file",),
+    "val_files": ("eval_prompts_file",), "eval_dataset": ("eval_prompts_file",),
+    "bf16": ("dtype",), "torch_dtype": ("dtype",), "lora_r": ("lora_rank",),
+    "overlong_buffer_len": ("overlong_buffer",), "overlong_penalty_factor": ("overlong_penalty",),
+    "dynamic_sampling": ("filter_groups",), "max_num_gen_batches": ("filter_groups_max_batches",),
 }
 
 
 def _unknown_key(key, where) -> str:
-    """The line for a key that is no field: with the field other libraries' name for it means (ALIASES) and the
-    fields spelled closest to it (difflib), at most three."""
-    close = ([ALIASES[key]] if key in ALIASES else []) + difflib.get_close_matches(key, FIELDS, n=3)
-    close = list(dict.fromkeys(close))[:3]
+    """The line for a key that is no field, with at most three fields it may mean: first by meaning, the fields another
+    library's name for them is (ALIASES; a misspelt one too: 'clip_ration' -> clip_low, clip_high), then by spelling
+    (difflib). Where a meaning is found, only close spellings (ratio >= 0.8) are added: 'clip_ration' is not
+    'iterations'."""
+    meant = ALIASES.get(key) or tuple(name for alias in difflib.get_close_matches(key, ALIASES, n=1, cutoff=0.8)
+                                      for name in ALIASES[alias])
+    spelt = difflib.get_close_matches(key, FIELDS, n=3, cutoff=0.8 if meant else 0.6)
+    close = list(dict.fromkeys([*meant, *spelt]))[:3]
     hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
     return f"unknown config key '{key}'{where}{hint}"
 
@@ -521,26 +589,45 @@ def build_config(toml_values: dict | None = None, overrides: dict | None = None,
             unreadable = True
     if unreadable:
         raise _one_error(problems)
-    for key in PATH_FIELDS:  # `--policy=~/models/x`: the shell expands ~ only at the start of a word
-        if key in values:
-            values[key] = os.path.expanduser(values[key])
-    if "reward_fn" in values:  # the file part of 'path/file.py:function'
-        values["reward_fn"] = [_expand_spec(spec) for spec in values["reward_fn"]]
-    if "eval_reward_fn" in values:
-        values["eval_reward_fn"] = _expand_spec(values["eval_reward_fn"])
     if values.get("task") == "toolmul" and not values.get("environment"):
         values["environment"] = "tools"  # the task is played with the calculator (ppo_core.data.tasks)
-    cfg = PPOConfig(**values)
-    problems += _problems(cfg)
+    cfg = fit_batch_sizes(PPOConfig(**values))
+    problems += _problems(cfg)  # on the values as given, which the messages quote
     if problems:
         raise _one_error(problems)
-    return cfg
+    resolved = absolute_paths(values)
+    return dataclasses.replace(cfg, **{key: value for key, value in resolved.items() if value != values[key]})
 
 
-def _expand_spec(spec):
-    """'~/r.py:score' -> '/home/me/r.py:score'; a dotted module name is left as it is."""
+def absolute_paths(values: dict) -> dict:
+    """Config values (a dict of some fields) with every path made absolute against the working directory now, `~`
+    expanded (`--policy=~/models/x`: the shell expands ~ only at the start of a word): PATH_FIELDS (out only
+    expanded: a resume names its run directory itself), a judge_template that is a file rather than a shipped
+    name, and the file part of a 'path/file.py:function' spec (reward_fn, eval_reward_fn, environment; a dotted
+    module name is imported from sys.path, as it is). So a run directory's config.json names the same files from
+    any directory (`--resume`)."""
+    out = dict(values)
+    for key in PATH_FIELDS:
+        if out.get(key):
+            out[key] = os.path.expanduser(out[key]) if key == "out" else os.path.abspath(os.path.expanduser(out[key]))
+    template = out.get("judge_template")
+    if template and (os.sep in template or template.endswith(".jinja") or os.path.isfile(template)):
+        out["judge_template"] = os.path.abspath(os.path.expanduser(template))
+    if "reward_fn" in out:
+        out["reward_fn"] = [_absolute_spec(spec) for spec in out["reward_fn"]]
+    for key in ("eval_reward_fn", "environment"):
+        if out.get(key):
+            out[key] = _absolute_spec(out[key])
+    return out
+
+
+def _absolute_spec(spec):
+    """'~/r.py:score' -> '/home/me/r.py:score', 'r.py:score' -> '/cwd/r.py:score'; a dotted module name
+    ('pkg.mod:score') and a name with no module ('tools') are left as they are."""
     module, colon, function = spec.rpartition(":")
-    return os.path.expanduser(module) + colon + function if colon else spec
+    if not colon or not (module.endswith(".py") or os.sep in module or module.startswith("~")):
+        return spec
+    return os.path.abspath(os.path.expanduser(module)) + colon + function
 
 
 def validate(cfg: PPOConfig):
@@ -559,8 +646,14 @@ def _problems(cfg: PPOConfig) -> list[str]:
         if not ok:
             problems.append(f"config key '{key}' {what}, got {getattr(cfg, key)!r}")
 
-    for key in ("iterations", "rollout_batch_size", "n_samples_per_prompt", "filter_groups_max_batches", "keep_checkpoints", "max_skipped_updates", "max_new_tokens", "ppo_epochs", "minibatch_size", "micro_batch_size", "eval_size"):
+    for key in ("iterations", "rollout_batch_size", "n_samples_per_prompt", "filter_groups_max_batches",
+                "keep_checkpoints", "max_skipped_updates", "max_new_tokens", "ppo_epochs", "eval_size"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
+    # 0 is their default, which fit_batch_sizes makes a size (left 0 only where the rows are not known yet, or for a
+    # micro_batch_size nothing reads)
+    need(cfg.minibatch_size >= 0, "minibatch_size", "must be >= 1 (or 0: the largest divisor of the rollout up to 32)")
+    need(cfg.micro_batch_size >= 0, "micro_batch_size",
+         "must be >= 1 (or 0: the largest divisor of minibatch_size up to 32)")
     for key in ("lr", "critic_lr", "temperature", "kl_horizon"):
         need(getattr(cfg, key) > 0, key, "must be > 0")
     for key in ("weight_decay", "adam_eps", "warmup_steps", "max_grad_norm", "clip_low", "clip_high", "value_clip",
@@ -729,6 +822,8 @@ def _unread_settings(cfg: PPOConfig) -> list[str]:
         unread("overlong_penalty", "overlong_buffer", "no overlong penalty without a buffer")
     if not cfg.filter_groups:
         unread("filter_groups_max_batches", "filter_groups", "no group filter")
+    if not cfg.prompts_file:
+        unread("eval_prompts_file", "prompts_file", "the task's own held-out prompts are evaluated")
     if cfg.micro_batch_tokens:
         unread("micro_batch_size", "micro_batch_tokens", "packed micro-batches are sized in tokens")
     if cfg.off_policy_correction not in ("tis", "decoupled"):

@@ -35,6 +35,7 @@ server down: a checkpoint and exit status 3; SIGTERM / SIGINT: a checkpoint and 
 import contextlib
 import dataclasses
 import datetime
+import difflib
 import os
 import random
 import sys
@@ -49,7 +50,8 @@ from .models import lora
 from .run import distributed as dist
 from .run import rollout_worker, runlog, tracking
 from .run.rollout_worker import RolloutClient
-from .config import ConfigError, PPOConfig, build_config, help_text, to_dict, load_toml, parse_cli, rollout_rows, uses_critic
+from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, to_dict, load_toml, parse_cli,
+                     rollout_rows, uses_critic)
 from .models.model import CheckpointError, load_model, load_score_model, read_config
 from .run.precision import loss_paths, precision_line, resolve_precision
 from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
@@ -71,8 +73,9 @@ def run(cfg: PPOConfig, resume_from=None):
     """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input. resume_from: a
     run directory to continue (its config is `cfg`); without it, a run directory that already holds a checkpoint of
     the same config is resumed too (what a retried container needs)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg = fit_batch_sizes(cfg)  # a config built in code, not by build_config: its default batch sizes made numbers
+    torch.set_num_threads(torch_threads(cfg))
+    check_paths(cfg)  # every path the config names, before anything is read
     policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
     precision = resolve_precision(cfg)
     autocast = precision.autocast
@@ -85,14 +88,16 @@ def run(cfg: PPOConfig, resume_from=None):
     # Set up. Everything that can be wrong with the input is checked before the run directory is touched.
     check_process_count(cfg, world)
     runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
-    tokenizer = load_tokenizer(policy_path)  # the prompts are checked against it before any model is built
+    with checkpoint_of("policy"):
+        tokenizer = load_tokenizer(policy_path)  # the prompts are checked against it before any model is built
     check_chat_template(cfg, tokenizer, policy_path)
     check_teacher(cfg, policy_path, tokenizer)
     train_rows, held_out, stream = prompt_rows(cfg)
     prompt_lengths = encoded_lengths(cfg, tokenizer, held_out + train_rows)
     policy, critic, reference = build_models(cfg, policy_path, tokenizer, device, precision.param_dtype)
     teacher = build_teacher(cfg, device, precision.param_dtype)  # None without cfg.teacher
-    reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
+    with checkpoint_of("judge" if cfg.judge else "reward_model"):  # the only sources that read a checkpoint
+        reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
     policy_train, critic_train = spread_over_processes(policy, critic, reference, teacher, reward_source, cfg, device)
     train_rows, held_out, stream, overlong = fit_context(cfg, policy, train_rows, held_out, stream, prompt_lengths)
     longest = min(max(prompt_lengths, default=1), policy.args.max_position_embeddings - cfg.max_new_tokens)  # kept rows'
@@ -134,7 +139,9 @@ def run(cfg: PPOConfig, resume_from=None):
     if workers is not None:
         workers.start(start_iter, state)
 
-    with runlog.StopSignals(cfg.stop_grace_s) as stop, ckpts.stopped_if_abandoned(stop):
+    def last_words(why, iteration):  # what a process ended by StopSignals' watchdog says: main()'s line
+        return f"ppo-train: {ckpts.abandoned_line(why, iteration)}"
+    with runlog.StopSignals(cfg.stop_grace_s, last_words) as stop, ckpts.stopped_if_abandoned(stop):
         for it in log.iterations(cfg.iterations, start_iter):
             stop.work_starts(it + 1)  # from here to work_ends a second signal abandons the iteration (runlog.StopSignals)
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
@@ -174,9 +181,10 @@ def run(cfg: PPOConfig, resume_from=None):
                                                 samples=(it, rollout.sampled)):
                     metrics["eval/reward"] = evaluate_policy()
             stop.work_ends()  # what follows is written whole, even under a second signal
-            log.metrics(metrics)
-            tracker.log(metrics, it + 1)
-            write_samples(cfg, run_dir, tracker, tokenizer, it, rollout.sampled)
+            with stop.writing:  # a process ended by StopSignals' watchdog waits for these lines
+                log.metrics(metrics)
+                tracker.log(metrics, it + 1)
+                write_samples(cfg, run_dir, tracker, tokenizer, it, rollout.sampled)
             if it + 1 == cfg.iterations or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
                 ckpts.save(it + 1)
             ckpts.stop_if_requested(stop, it + 1)
@@ -247,6 +255,69 @@ def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, rewar
 
 # ---------------------------------------------------------------------------- set-up
 
+def torch_threads(cfg: PPOConfig) -> int:
+    """torch's CPU threads for the run: cfg.threads, or 0 = one per core this process may use (its CPU affinity, which
+    a container or `taskset` narrows; torch's own default counts every core of the machine)."""
+    if cfg.threads:
+        return cfg.threads
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+CHECKPOINT_KEYS = ("policy", "reference", "critic", "reward_model", "judge")  # each a directory (HF layout)
+FILE_KEYS = ("prompts_file", "eval_prompts_file")
+
+
+def check_paths(cfg: PPOConfig):
+    """Every path the config names is there and of its kind (a checkpoint directory, a file), before anything is read:
+    else one ConfigError naming each key that is not, "config key 'policy': no such directory: '/m/SmolLM2-135M-Instruc'
+    (did you mean '/m/SmolLM2-135M-Instruct'?)", all of them in one message. Also the files of 'file.py:function'
+    specs (reward_fn, eval_reward_fn, environment) and a judge_template given as a file (absolute once
+    config.absolute_paths has run)."""
+    problems = []
+    for key in CHECKPOINT_KEYS + FILE_KEYS:
+        path = getattr(cfg, key)
+        if path:
+            problem = path_problem(path, directory=key in CHECKPOINT_KEYS)
+            problems += [f"config key '{key}': {problem}"] if problem else []
+    specs = [("reward_fn", spec) for spec in cfg.reward_fn] + [(key, getattr(cfg, key)) for key in
+                                                                ("eval_reward_fn", "environment")]
+    for key, spec in specs:
+        module = spec.rpartition(":")[0]
+        problem = path_problem(module, directory=False) if module.endswith(".py") else None
+        problems += [f"config key '{key}': {problem}"] if problem else []
+    if os.path.isabs(cfg.judge_template):  # else a shipped template's name
+        problem = path_problem(cfg.judge_template, directory=False)
+        problems += [f"config key 'judge_template': {problem}"] if problem else []
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1
+                          else f"{len(problems)} config problems: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def checkpoint_of(key):
+    """A CheckpointError in the block (a checkpoint directory that cannot be loaded: a file missing, a bad config; the
+    tokenizer's loader says FileNotFoundError) is about config key `key`'s checkpoint: its message says so, "config
+    key 'policy': no tokenizer.json in '/m/x'"."""
+    try:
+        yield
+    except (CheckpointError, FileNotFoundError) as e:
+        raise CheckpointError(f"config key '{key}': {e}") from None
+
+
+def path_problem(path, directory: bool):
+    """Why `path` is not a directory (directory=True) or a file, with the closest name beside it when it is missing
+    (a typo); None when it is one."""
+    if os.path.isdir(path) if directory else os.path.isfile(path):
+        return None
+    kind = "directory" if directory else "file"
+    if os.path.exists(path):
+        return f"not a {kind}: {path!r}"
+    parent, name = os.path.split(os.path.normpath(path))
+    siblings = os.listdir(parent) if os.path.isdir(parent) else []
+    close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.75)
+    return f"no such {kind}: {path!r}" + (f" (did you mean {os.path.join(parent, close[0])!r}?)" if close else "")
+
+
 def check_process_count(cfg: PPOConfig, world):
     """Every process holds an equal share of a rollout and of each minibatch."""
     if rollout_rows(cfg) % world or cfg.minibatch_size % world:
@@ -285,9 +356,12 @@ def check_roles(cfg: PPOConfig):
 def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
     """Policy, critic (None for the critic-free estimators: nothing built, trained or saved) and the frozen reference:
     the policy itself when LoRA adapters switched off give the reference weights. `tokenizer`: the policy's, whose
-    vocabulary must fit the model's."""
-    policy = load_model(policy_path, dtype=param_dtype, device=device)
-    critic = load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device) if uses_critic(cfg) else None
+    vocabulary must fit the model's. A checkpoint that cannot be loaded is a CheckpointError naming its config key."""
+    with checkpoint_of("policy"):
+        policy = load_model(policy_path, dtype=param_dtype, device=device)
+    with checkpoint_of("critic" if cfg.critic else "policy"):  # without a critic, the policy's backbone
+        critic = (load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device) if uses_critic(cfg)
+                  else None)
     trainable = [m for m in (policy, critic) if m is not None]
     if cfg.lora_rank:
         init = torch.Generator(device=device).manual_seed(cfg.seed + 2)  # the same adapters on every process
@@ -296,9 +370,12 @@ def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
     if cfg.lora_rank and not cfg.reference:
         reference = policy  # the base weights: the policy with its adapters off (see rollout.reference_logprobs)
     else:
-        reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device).eval().requires_grad_(False)
+        with checkpoint_of("reference" if cfg.reference else "policy"):
+            reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device)
+            reference.eval().requires_grad_(False)
     if tokenizer.vocab_size > policy.args.vocab_size:
-        raise CheckpointError(f"tokenizer of {policy_path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {policy.args.vocab_size}")
+        raise CheckpointError(f"config key 'policy': the tokenizer of {policy_path} has {tokenizer.vocab_size} tokens "
+                              f"but the model's vocabulary is {policy.args.vocab_size}")
     for model in trainable:
         model.model.gradient_checkpointing = cfg.gradient_checkpointing
     return policy, critic, reference
@@ -355,7 +432,8 @@ def make_reward_sources(cfg: PPOConfig, device, param_dtype):
     eval_source = reward_source
     if cfg.eval_reward_fn:
         eval_source = make_reward_source(dataclasses.replace(cfg, reward_fn=[cfg.eval_reward_fn], reward_weights=[],
-                                                             reward_model="", reward_url=[], judge=""))
+                                                             reward_model="", reward_url=[], judge=""),
+                                         key="eval_reward_fn")
     return reward_source, eval_source
 
 
@@ -575,7 +653,12 @@ def run_summary(ckpts, after, after_greedy, prompts) -> dict:
 # ---------------------------------------------------------------------------- checkpoints and early stops
 
 class StopRequested(Exception):
-    """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops."""
+    """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops, or (abandoned=True) stops without one: its
+    iteration was abandoned, and what that iteration started may still be running (a reward function's threads)."""
+
+    def __init__(self, message, abandoned=False):
+        super().__init__(message)
+        self.abandoned = abandoned
 
 
 class RewardServerDown(Exception):
@@ -727,20 +810,26 @@ class Checkpoints:
         self.tracker.log(metrics, step)
         self.save(step)
 
+    def abandoned_line(self, why, iteration) -> str:
+        """What a run says when iteration `iteration` was abandoned (runlog.StopSignals says `why`): the checkpoint
+        that is intact and how to resume from it, or, before the first checkpoint, that there is nothing to resume."""
+        ckpt = self.run_dir.latest_checkpoint()
+        if ckpt is None:
+            return (f"{why}: abandoned iteration {iteration}; no checkpoint was saved yet, so there is nothing to "
+                    f"resume: run the same command again to start over")
+        return (f"{why}: abandoned iteration {iteration}; the checkpoint of iteration "
+                f"{checkpoint.checkpoint_step(ckpt)} is intact; resume with: ppo-train --resume {self.run_dir.path}")
+
     @contextlib.contextmanager
     def stopped_if_abandoned(self, stop: runlog.StopSignals):
         """An iteration abandoned in its work (runlog.StopSignals: a second SIGTERM / SIGINT, or stop_grace_s after
-        the first) stops the run with the last checkpoint as it was: StopRequested (exit status 143), the line naming
-        the iteration, the checkpoint and how to resume."""
+        the first) stops the run with the last checkpoint as it was: StopRequested (exit status 143, abandoned=True),
+        with abandoned_line. (A loop that does not come out in time is ended by StopSignals' watchdog, same line.)"""
         try:
             yield
         except runlog.IterationAbandoned as e:
             self.close()
-            ckpt, path = self.run_dir.latest_checkpoint(), self.run_dir.path
-            kept = (f"the checkpoint of iteration {checkpoint.checkpoint_step(ckpt)} is intact" if ckpt
-                    else "no checkpoint was saved yet")
-            raise StopRequested(f"{e}: abandoned iteration {stop.iteration}; {kept}; resume with: "
-                                f"ppo-train --resume {path}") from None
+            raise StopRequested(self.abandoned_line(e, stop.iteration), abandoned=True) from None
 
     def stop_if_requested(self, stop: runlog.StopSignals, step):
         """SIGTERM / SIGINT arrived during iteration `step`, whose checkpoint is saved, and more were to come:
@@ -806,6 +895,9 @@ def main(argv=None):
         return 1
     except StopRequested as e:
         print(f"ppo-train: {e}", file=sys.stderr)
+        if e.abandoned:  # threads the abandoned work left running (a reward function's pool) would hold up the
+            sys.stdout.flush(), sys.stderr.flush()  # interpreter's exit, which joins them: the process ends here
+            os._exit(143)
         return 143
     except RewardServerDown as e:
         if dist.rank() == 0:  # every process stops at once; one line

@@ -118,8 +118,56 @@ def test_secrets_in_the_environment_are_not_written(tmp_path, monkeypatch, capsy
 
 def test_policy_directory_that_does_not_exist(tmp_path, capsys):
     err = fail([f"--policy={tmp_path / 'nope'}", f"--out={tmp_path / 'r'}", *SMALL], capsys)
-    assert err == f"ppo-train: error: no such directory: {str(tmp_path / 'nope')!r}"
+    assert err == f"ppo-train: error: config key 'policy': no such directory: {str(tmp_path / 'nope')!r}"
     assert not (tmp_path / "r").exists()
+
+
+JUDGE_DEMO = os.path.join(os.path.dirname(DEMO_CHECKPOINT), "judge-demo")
+
+
+@pytest.mark.parametrize("args, key, kind, missing", [  # issue 47: every path error names its config key
+    (["--reference={x}"], "reference", "directory", "x"),
+    (["--critic={x}"], "critic", "directory", "x"),
+    (["--reward_model={x}"], "reward_model", "directory", "x"),
+    (["--judge={x}"], "judge", "directory", "x"),
+    (["--prompts_file={x}.jsonl"], "prompts_file", "file", "x.jsonl"),
+    (["--prompts_file={prompts}", "--eval_prompts_file={x}.jsonl"], "eval_prompts_file", "file", "x.jsonl"),
+    (["--reward_fn={x}.py:score"], "reward_fn", "file", "x.py"),
+    (["--eval_reward_fn={x}.py:score"], "eval_reward_fn", "file", "x.py"),
+    (["--environment={x}.py:Env"], "environment", "file", "x.py"),
+    ([f"--judge={JUDGE_DEMO}", "--judge_template={x}.jinja"], "judge_template", "file", "x.jinja"),
+])
+def test_a_path_that_is_not_there_names_its_key(tmp_path, capsys, args, key, kind, missing):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("abc\n" * 40)
+    argv = [a.format(x=tmp_path / "x", prompts=prompts) for a in args]
+    err = fail([*argv, f"--out={tmp_path / 'r'}", *SMALL], capsys)
+    assert err == f"ppo-train: error: config key '{key}': no such {kind}: {str(tmp_path / missing)!r}"
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("key, says", [("policy", "no tokenizer.json in"),
+                                       ("critic", "no config.json in checkpoint directory")])
+def test_a_directory_that_holds_no_checkpoint_names_its_key(tmp_path, capsys, key, says):
+    (tmp_path / "empty").mkdir()
+    err = fail([f"--{key}={tmp_path / 'empty'}", f"--out={tmp_path / 'r'}", *SMALL], capsys)
+    assert err == f"ppo-train: error: config key '{key}': {says} {str(tmp_path / 'empty')!r}"
+
+
+def test_path_errors_come_together_with_the_name_a_typo_meant(tmp_path, capsys, monkeypatch):
+    """Relative paths are the working directory's; a near miss names the directory that is there (issue 47's
+    '~/.cache/ppo-core/SmolLM2-135M-Instruc')."""
+    shutil.copytree(DEMO_CHECKPOINT, tmp_path / "SmolLM2-135M-Instruct")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc"}\n')
+    monkeypatch.chdir(tmp_path)
+    err = fail(["--policy=SmolLM2-135M-Instruc", "--critic=prompts.jsonl", "--prompts_file=prompt.jsonl",
+                f"--out={tmp_path / 'r'}", *SMALL], capsys)
+    assert err == (f"ppo-train: error: 3 config problems: config key 'policy': no such directory: "
+                   f"{str(tmp_path / 'SmolLM2-135M-Instruc')!r} (did you mean "
+                   f"{str(tmp_path / 'SmolLM2-135M-Instruct')!r}?); "
+                   f"config key 'critic': not a directory: {str(tmp_path / 'prompts.jsonl')!r}; "
+                   f"config key 'prompts_file': no such file: {str(tmp_path / 'prompt.jsonl')!r} (did you mean "
+                   f"{str(tmp_path / 'prompts.jsonl')!r}?)")
 
 
 def test_loaders_expand_the_home_directory_and_name_a_missing_one(demo_copy, tmp_path, monkeypatch):

@@ -94,7 +94,8 @@ def test_reward_function_returning_a_dict_of_scores_is_one_line_and_exit_2(tmp_p
                      f"--out={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2
     last = proc.stderr.splitlines()[-1]  # after the run's start line: the error, one line
-    assert proc.stderr.count("ppo-train: error:") == 1 and last.startswith("ppo-train: error: reward function answers.py:keys_as_scores")
+    assert proc.stderr.count("ppo-train: error:") == 1  # the spec as config.json holds it: the file made absolute
+    assert last.startswith(f"ppo-train: error: reward function {tmp_path / 'answers.py'}:keys_as_scores")
     assert "returned a dict with keys [0, 1, 2, 3" in last
 
 
@@ -169,8 +170,8 @@ def test_answer_column_reward_raises_held_out_exact_match_on_arith(arith_kind):
         pytest.importorskip("pyarrow")
     proc = background.result(*arith_run(kind))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (f"prompts: 512 training rows from arith.{kind}, 128 held out (the file's last rows, at most half)"
-            in proc.stderr)
+    where = os.path.join(background.directory(f"columns-arith-{kind}"), f"arith.{kind}")  # as config.json holds it
+    assert f"prompts: 512 training rows from {where}, 128 held out (the file's last rows, at most half)" in proc.stderr
     with open(os.path.join(background.directory(f"columns-arith-{kind}"), "run", "summary.json")) as f:
         summary = json.load(f)
     # the shipped checkpoint forgets most carries: about 3 in 10 right greedily (the problems with none to forget)

@@ -1,4 +1,5 @@
 """The flat config: TOML + command line, and one-line errors (exit status 2) for bad input."""
+import json
 import os
 import subprocess
 import sys
@@ -155,13 +156,15 @@ def test_list_fields_from_toml_lists_and_comma_separated_text(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('reward_fn = ["a.py:f", "pkg.mod:g"]\nreward_weights = [1, 0.5]\n')
     cfg = build_config(load_toml(path), toml_path=str(path))
-    assert cfg.reward_fn == ["a.py:f", "pkg.mod:g"] and cfg.reward_weights == [1.0, 0.5]
+    # a file made absolute (the working directory's, as the run starts), a module name left to sys.path
+    assert cfg.reward_fn == [os.path.join(os.getcwd(), "a.py") + ":f", "pkg.mod:g"] and cfg.reward_weights == [1.0, 0.5]
     assert all(isinstance(w, float) for w in cfg.reward_weights)  # a TOML int is a float weight
     # the command line: comma-separated, spaces around items dropped; it overrides the file
     cfg = build_config(load_toml(path), {"reward_fn": "a.py:f, b.py:h", "reward_weights": "2,-1e-1"}, str(path))
-    assert cfg.reward_fn == ["a.py:f", "b.py:h"] and cfg.reward_weights == [2.0, -0.1]
+    here = os.getcwd()
+    assert cfg.reward_fn == [f"{here}/a.py:f", f"{here}/b.py:h"] and cfg.reward_weights == [2.0, -0.1]
     # a TOML string reads as the command line does (configs written before reward_fn became a list)
-    assert build_config({"reward_fn": "a.py:f"}).reward_fn == ["a.py:f"]
+    assert build_config({"reward_fn": "a.py:f"}).reward_fn == [f"{here}/a.py:f"]
     assert build_config({}, {"reward_fn": ""}).reward_fn == [] and PPOConfig().reward_fn == []
     with pytest.raises(ConfigError, match="^config key 'reward_weights' expects a list of float, got float 1.0$"):
         build_config({"reward_fn": ["a.py:f"], "reward_weights": 1.0})
@@ -243,3 +246,41 @@ def test_every_shipped_config_builds_and_validates():
         # the peak learning rate within the first tenth of the run's optimizer steps
         steps = cfg.iterations * cfg.ppo_epochs * cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.minibatch_size
         assert cfg.warmup_steps <= 0.1 * steps, (path, cfg.warmup_steps, steps)
+
+
+# ---------------------------------------------------------------------------- issue 47: batch sizes follow the rollout
+
+@pytest.mark.parametrize("overrides, minibatch, micro", [
+    ({}, 32, 32),  # 64 rows
+    ({"rollout_batch_size": "2", "n_samples_per_prompt": "4"}, 8, 8),  # a rollout smaller than the old default
+    ({"minibatch_size": "16"}, 16, 16),  # the micro-batch follows a minibatch the user set
+    ({"rollout_batch_size": "48"}, 24, 24),  # 32 does not divide 48: the largest divisor below it
+    ({"rollout_batch_size": "8", "n_samples_per_prompt": "16"}, 32, 32),
+    ({"minibatch_size": "64", "rollout_batch_size": "128"}, 64, 32),
+    ({"micro_batch_size": "4", "rollout_batch_size": "4"}, 4, 4),
+    ({"micro_batch_tokens": "256"}, 32, 0),  # packed micro-batches: micro_batch_size is not read, left at 0
+])
+def test_batch_sizes_left_at_their_default_fit_the_rollout(overrides, minibatch, micro):
+    cfg = build_config({}, overrides)
+    assert (cfg.minibatch_size, cfg.micro_batch_size) == (minibatch, micro)
+    assert build_config(dict(vars(cfg))) == cfg  # the resolved numbers, saved to config.json, rebuild the same run
+
+
+def test_batch_sizes_the_user_set_are_still_refused_all_in_one_line(capsys, tmp_path):
+    assert main(["--rollout_batch_size=2", "--n_samples_per_prompt=4", "--minibatch_size=16", "--micro_batch_size=32",
+                 f"--out={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err == (
+        "ppo-train: error: 2 config problems: config key 'minibatch_size' must be <= rollout_batch_size * "
+        "n_samples_per_prompt (8), got 16; config key 'micro_batch_size' must be <= minibatch_size (16), got 32\n")
+    with pytest.raises(ConfigError, match=r"^config key 'minibatch_size' must be a multiple of micro_batch_size \(3\), "
+                                          r"got 32$"):
+        build_config({}, {"micro_batch_size": "3"})
+
+
+def test_a_small_rollout_runs_and_its_config_json_holds_the_sizes_chosen(tmp_path):
+    """The command of issue 47 that was refused twice for values the user never set."""
+    run_dir = tmp_path / "run"
+    assert main(["--rollout_batch_size=2", "--n_samples_per_prompt=4", "--iterations=1", "--eval_size=4",
+                 "--progress=false", f"--out={run_dir}"]) == 0
+    saved = json.loads((run_dir / "config.json").read_text())["config"]
+    assert (saved["minibatch_size"], saved["micro_batch_size"]) == (8, 8)

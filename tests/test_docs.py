@@ -67,3 +67,49 @@ def test_relative_links_point_to_files(doc):
 def test_the_docs_exist_and_readme_is_a_front_page():
     assert len(_read("README.md").splitlines()) <= 320, "the README is a front page: move detail to docs/"
     assert os.path.exists(os.path.join(ROOT, "bench", "results", "README.md"))
+
+
+# ---------------------------------------------------------------------------- issue 47: what the docs promise
+
+def _words(*parts):
+    return " ".join(_read(*parts).split())
+
+
+def test_readme_says_how_many_threads_the_default_job_uses():
+    """It said "the default job trains in under a minute on two cores" while `threads` defaults to 1."""
+    from ppo_core.config import PPOConfig
+
+    assert PPOConfig().threads == 1
+    readme = _words("README.md")
+    assert "the default job trains in under a minute on one core (one torch thread, the default `threads`" in readme
+    assert "on two cores." not in readme
+
+
+def test_readme_gives_the_test_suites_time():
+    assert re.search(r"Run the test suite \([^)]*~\d+(-\d+)? min on 2 cores\)", _words("README.md"))
+
+
+def test_the_docs_describe_the_sandboxs_memory_bound_as_the_code_does():
+    """docs/agents.md said the sandbox does not bound total memory across processes (no cgroup); the code bounds a
+    call as a whole where it can make a memory cgroup (ppo_core/agents/sandbox.py), as the README and
+    docs/reliability.md say."""
+    assert "the bound on a call as a whole is memory_mb only where it runs in a cgroup" in _words(
+        "ppo_core", "agents", "sandbox.py")
+    for doc in (("README.md",), ("docs", "agents.md"), ("docs", "reliability.md")):
+        assert "no cgroup" not in _words(*doc), doc
+    agents = _words("docs", "agents.md")
+    assert "`memory_mb` bounds a call's processes together where a memory cgroup can be made" in agents
+
+
+def test_the_trl_versions_named_are_those_the_bench_scripts_use():
+    """The `bench` extra pins the TRL of bench/e2e.py's PPOTrainer; the README's GRPOTrainer comparison used another,
+    installed by bench/trl_grpo.py's own instructions: both named where they are used."""
+    def minor(version):
+        return ".".join(version.split(".")[:2])
+
+    ppo_trl = minor(re.search(r'"bench": \["trl==([\d.]+)"', _read("setup.py")).group(1))
+    grpo_trl = minor(re.search(r"pip install trl==([\d.]+)", _read("bench", "trl_grpo.py")).group(1))
+    readme = _words("README.md")
+    assert f"TRL {ppo_trl}'s PPOTrainer" in _words("bench", "e2e.py")
+    assert f"| TRL {grpo_trl} GRPOTrainer," in readme and f"ran TRL {grpo_trl} in a venv of its own" in readme
+    assert f"the `bench` extra pins TRL {ppo_trl}, the last with a PPOTrainer" in readme

@@ -32,11 +32,12 @@ def fail(argv, capsys, before_any_work=True):
 def test_prompt_character_missing_from_the_vocabulary_names_the_row_and_the_character(tmp_path):
     """The demo's character vocabulary has no 'é': the one line names the file, its line and the character
     (the file's line, blank lines counted), as `ppo-train` prints it, and no run directory is made. Found before any
-    model is built: a critic checkpoint that does not exist is never reached."""
+    model is built: a critic directory that holds no checkpoint is never read."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("abc=\n\ncafé=\nxyz=\nqrs=\n")
+    (tmp_path / "not-a-checkpoint").mkdir()
     proc = subprocess.run([sys.executable, "-m", "ppo_core.train", f"--prompts_file={prompts}",
-                           f"--critic={tmp_path / 'no-such-critic'}", f"--out={tmp_path / 'run'}", *SMALL],
+                           f"--critic={tmp_path / 'not-a-checkpoint'}", f"--out={tmp_path / 'run'}", *SMALL],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr == (f"ppo-train: error: config key 'prompts_file': {prompts}:3: no token for 'é' (U+00E9) in "

@@ -154,6 +154,22 @@ def test_unknown_key_suggests_the_known_one(argv, hint):
     assert config_error(argv).startswith(hint)
 
 
+@pytest.mark.parametrize("key, meant", [  # issue 47: by meaning, other libraries' names (and a typo of one) included
+    ("clip_ratio", "'clip_low' or 'clip_high'"),  # TRL's, verl's
+    ("clip_ration", "'clip_low' or 'clip_high'"),  # was: 'iterations' or 'clip_low' or 'min_lr_ratio'
+    ("cliprange", "'clip_low' or 'clip_high'"),
+    ("epsilon_high", "'clip_high'"),
+    ("init_kl_coef", "'kl_coef'"), ("kl_coeff", "'kl_coef'"), ("kl_loss_coef", "'kl_coef'"), ("beta", "'kl_coef'"),
+    ("num_generations", "'n_samples_per_prompt'"),
+    ("per_device_train_batch_size", "'micro_batch_size' or 'minibatch_size'"),
+    ("ppo_micro_batch_size_per_gpu", "'micro_batch_size'"),
+    ("learning_rate", "'lr'"), ("critic_learning_rate", "'critic_lr'"),
+    ("gae_lambda", "'lam'"), ("entropy_coeff", "'entropy_coef'"), ("output_dir", "'out'"),
+])
+def test_unknown_key_names_the_field_it_means_and_nothing_else(key, meant):
+    assert config_error([f"--{key}=1"]) == f"unknown config key '{key}' (did you mean {meant}?)"
+
+
 def test_unknown_keys_in_a_toml_file_are_listed_together(tmp_path):
     with pytest.raises(ConfigError) as e:
         build_config({"learning_rate": 1e-3, "max_completion_length": 64}, toml_path="c.toml")

@@ -1,7 +1,9 @@
 """The first hour's faults that no single line of input shows (issue 38, items 9 and 10): a batch the data or the
 memory cannot hold is refused before any work; a second SIGTERM, or stop_grace_s after the first, abandons the
 iteration in flight with the last checkpoint intact (exit 143, one line, --resume works); a reward file that does not
-import is one line naming its file and line, exit 2, with the traceback in the run's error.log."""
+import is one line naming its file and line, exit 2, with the traceback in the run's error.log. Issue 47: stop_grace_s
+is kept even where the iteration is stuck out of the interpreter's reach, and a stop before the first checkpoint does
+not say "resume with"."""
 import json
 import math
 import signal
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from ppo_core.run import plan
@@ -135,3 +138,104 @@ def test_a_missing_function_names_the_file_and_what_it_defines(tmp_path, capsys)
     assert main([f"--reward_fn={module}:score", f"--out={tmp_path / 'run'}", *SMALL]) == 2
     assert one_line(capsys) == (f"ppo-train: error: cannot load reward_fn '{module}:score': {module} has no 'score' "
                                 f"(it defines: scorer)")
+
+
+# ---------------------------------------------------------------------------- issue 47: a stop that must end now
+
+STUCK = ["--iterations=2", "--save_every=1", "--eval_size=8", "--rollout_batch_size=16", "--minibatch_size=16",
+         "--micro_batch_size=16", "--ppo_epochs=1", "--progress=false"]
+
+# A reward function whose scoring, once the run has a checkpoint (iteration 2), sleeps for a minute in a thread of its
+# own pool, as one that calls a slow service does; the main thread waits for the answer. The pool outlives the call,
+# so the interpreter's exit would join its thread: a minute more.
+POOL_REWARD = '''import concurrent.futures, os, time
+POOL = concurrent.futures.ThreadPoolExecutor(1)
+def score(prompts, responses):
+    if os.path.exists({latest!r}) and not os.path.exists({stuck!r}):
+        open({stuck!r}, "w").close()
+        return POOL.submit(lambda: (time.sleep(60), [0.0] * len(responses))[1]).result()
+    return [0.0] * len(responses)
+'''
+
+# ppo-train whose decode step, once the run has a checkpoint (iteration 2), does not come back to the interpreter for a
+# minute, as a decode step of a large model on a loaded machine may not: no signal handler runs in the main thread
+# meanwhile (its signals blocked while it sleeps: what a long call in C amounts to for Python's handlers).
+SLOW_DECODE = '''import os, signal, sys, time
+from ppo_core import train
+from ppo_core.engine import rollout_engine
+latest, stuck = sys.argv[1], sys.argv[2]
+sample = rollout_engine.sample
+def slow_sample(*args, **kwargs):
+    if os.path.exists(latest) and not os.path.exists(stuck):
+        open(stuck, "w").close()
+        signals = {signal.SIGTERM, signal.SIGINT, signal.SIGALRM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        time.sleep(60)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    return sample(*args, **kwargs)
+rollout_engine.sample = slow_sample
+sys.exit(train.main(sys.argv[3:]))
+'''
+
+
+@pytest.mark.parametrize("where", ["reward_fn_pool", "decode_step"])
+def test_stop_grace_s_is_kept_whatever_the_iteration_is_doing(tmp_path, where):
+    """One SIGTERM while iteration 2 is stuck where the interpreter cannot stop it: the process is gone within a few
+    seconds of stop_grace_s (not the minute the stuck call takes), exit 143, with the line saying what it abandoned;
+    metrics.jsonl keeps iteration 1's whole line, the checkpoint of iteration 1 is intact, and the run resumes."""
+    run_dir, stuck = tmp_path / "run", tmp_path / "stuck"
+    latest = run_dir / "checkpoints" / "latest"
+    args = [*STUCK, "--stop_grace_s=1", f"--out={run_dir}"]
+    if where == "reward_fn_pool":
+        reward = tmp_path / "pool_reward.py"
+        reward.write_text(POOL_REWARD.format(latest=str(latest), stuck=str(stuck)))
+        command = [sys.executable, "-m", "ppo_core.train", *args, f"--reward_fn={reward}:score"]
+    else:
+        command = [sys.executable, "-c", SLOW_DECODE, str(latest), str(stuck), *args]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not stuck.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert stuck.exists(), proc.communicate()[1][-2000:]
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)  # the old loop: ~60 s, the stuck call's own time
+        seconds = time.time() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and seconds < 1 + 6, (seconds, err[-2000:])  # grace + HARD_STOP_S + start-up slack
+    assert err.splitlines()[-1] == (f"ppo-train: received SIGTERM 1 s ago (stop_grace_s): abandoned iteration 2; the "
+                                    f"checkpoint of iteration 1 is intact; resume with: ppo-train --resume {run_dir}")
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert latest.read_text().strip() == "step-1"
+    resumed = subprocess.run([*command[:command.index(args[0])], "--resume", str(run_dir)], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming {run_dir} from {run_dir / 'checkpoints' / 'step-1'} (iteration 1 of 2)" in resumed.stderr
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_stop_before_the_first_checkpoint_does_not_say_resume(tmp_path):
+    """SIGTERM in iteration 1, abandoned after stop_grace_s: the line says there is nothing to resume, and no
+    'resume with' (issue 47: it named a run directory with no checkpoint)."""
+    run_dir, stuck = tmp_path / "run", tmp_path / "stuck"
+    reward = tmp_path / "sleepy.py"  # the rollout's 16 responses (the evaluation scores 8 at a time)
+    reward.write_text(f"import time\ndef score(prompts, responses):\n    if len(responses) == 16:\n"
+                      f"        open({str(stuck)!r}, 'w').close()\n        time.sleep(60)\n"
+                      f"    return [0.0] * len(responses)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "ppo_core.train", *STUCK, "--stop_grace_s=0.5",
+                             f"--reward_fn={reward}:score", f"--out={run_dir}"], stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not stuck.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert err.splitlines()[-1] == ("ppo-train: received SIGTERM 0.5 s ago (stop_grace_s): abandoned iteration 1; no "
+                                    "checkpoint was saved yet, so there is nothing to resume: run the same command "
+                                    "again to start over")

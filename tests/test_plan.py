@@ -398,7 +398,7 @@ def test_token_budget_flags_beat_the_config(capsys, tmp_path):
     assert (flag["micro_batch_tokens"], flag["micro_batch"]) == (60, 2)
     assert flag["training_phase_gb"] < from_config["training_phase_gb"]
     off = run_json(capsys, "--config", str(toml), *P, "--micro_batch_tokens=0")
-    assert (off["micro_batch_tokens"], off["micro_batch"]) == (0, 32)  # PPOConfig's micro_batch_size
+    assert (off["micro_batch_tokens"], off["micro_batch"]) == (0, 16)  # what the run's micro_batch_size would be: 16
     padded = run_json(capsys, "--config", str(toml), *P, "--micro-batch", "2")
     assert (padded["micro_batch_tokens"], padded["micro_batch"]) == (0, 2)
     assert plan.main(["--config", str(toml), "--micro-batch", "2", "--micro-batch-tokens", "60"]) == 2

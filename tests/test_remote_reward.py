@@ -247,7 +247,9 @@ def serve(tmp_path, port, count_file, kill_at=0):
 
 def wait_ready(server):
     line = server.stdout.readline()
-    assert line.startswith("serving reward function killer.py:reverse on http://127.0.0.1:"), server.stderr.read()
+    # the file as the config holds it, made absolute: .../killer.py
+    assert line.startswith("serving reward function /") and "/killer.py:reverse on http://127.0.0.1:" in line, \
+        server.stderr.read()
     return line.split(" on ")[-1].strip()
 
 

@@ -168,6 +168,45 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert latest == f"step-{done}" and 1 <= done < 200
 
 
+def test_a_run_started_with_relative_paths_resumes_from_any_directory(tmp_path, monkeypatch, capsys):
+    """Issue 47: a run started with relative paths (prompts file, reward file, out) stores them absolute in config.json,
+    so `--resume` from another directory finds them; the run continues from its checkpoint."""
+    from ppo_core.data.tasks import eval_prompts
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir(), elsewhere.mkdir()
+    (start / "prompts.txt").write_text("".join(p + "\n" for p in eval_prompts(20, seed=5)))  # 16 train, 4 held out
+    (start / "rewards.py").write_text("def score(prompts, responses):\n    return [float(len(r)) for r in responses]\n")
+
+    class Stopped(Exception):
+        pass
+
+    real_update, updates = train.ppo_update, []
+
+    def stopped_in_the_second_update(*args, **kwargs):  # the run stops after the checkpoint of iteration 1
+        updates.append(1)
+        if len(updates) == 2:
+            raise Stopped
+        return real_update(*args, **kwargs)
+
+    monkeypatch.chdir(start)
+    monkeypatch.setattr(train, "ppo_update", stopped_in_the_second_update)
+    args = ["--prompts_file=prompts.txt", "--reward_fn=rewards.py:score", "--out=run", "--iterations=2",
+            "--save_every=1", "--eval_size=4", "--rollout_batch_size=8", "--minibatch_size=8", "--micro_batch_size=8",
+            "--ppo_epochs=1", "--progress=false"]
+    with pytest.raises(Stopped):
+        train.main(args)
+    saved = json.loads((start / "run" / "config.json").read_text())["config"]
+    assert saved["prompts_file"] == str(start / "prompts.txt")
+    assert saved["reward_fn"] == [f"{start / 'rewards.py'}:score"]
+    monkeypatch.setattr(train, "ppo_update", real_update)
+    monkeypatch.chdir(elsewhere)
+    assert train.main(["--resume", str(start / "run")]) == 0, capsys.readouterr().err[-2000:]
+    assert f"(iteration 1 of 2)" in capsys.readouterr().err
+    assert [row["step"] for row in metrics(start / "run")] == [1, 2]
+    assert os.listdir(elsewhere) == []  # nothing written where the resume was typed
+
+
 def test_resume_errors(tmp_path, capsys):
     assert train.main(["--resume", str(tmp_path / "empty")]) == 2
     assert f"--resume: {tmp_path / 'empty'} holds no run" in capsys.readouterr().err

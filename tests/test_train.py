@@ -203,3 +203,29 @@ def test_missing_checkpoint_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_threads_zero_is_the_cores_this_process_may_use(monkeypatch):
+    """threads=0: one torch thread per core in the process's CPU affinity (a container's, taskset's), not torch's
+    count of the machine's cores."""
+    from ppo_core.config import PPOConfig
+    from ppo_core.train import torch_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert torch_threads(PPOConfig(threads=0)) == 3
+    assert torch_threads(PPOConfig()) == 1 and torch_threads(PPOConfig(threads=4)) == 4
+
+
+def test_a_runs_numbers_do_not_depend_on_its_thread_count(tmp_path, capsys):
+    """What the README and the threads field say (issue 47: the default job's metrics.jsonl and final weights were
+    bit-identical with --threads 1 and 2, 3 iterations): the same short run on one thread and on two, one after the
+    other (two threads beside other work are slow: OpenMP's threads wait for each other)."""
+    args = ["--iterations=1", "--eval_size=8", "--rollout_batch_size=16", "--progress=false"]
+    try:
+        for threads in (1, 2):
+            assert ppo_core.train.main([*args, f"--threads={threads}", f"--out={tmp_path / str(threads)}"]) == 0
+    finally:
+        torch.set_num_threads(1)  # the module's tests run on one (conftest.one_thread)
+    assert strip_wall_clock(read_metrics(tmp_path / "1")) == strip_wall_clock(read_metrics(tmp_path / "2"))
+    weights = [(tmp_path / run / "checkpoints" / "step-1" / "model.safetensors").read_bytes() for run in ("1", "2")]
+    assert weights[0] == weights[1]

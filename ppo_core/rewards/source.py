@@ -14,11 +14,12 @@ from .reward_model import RewardModelReward
 from .interface import CallableReward
 
 
-def make_reward_source(cfg, device="cpu", dtype=None):
+def make_reward_source(cfg, device="cpu", dtype=None, key="reward_fn"):
     """The run's reward source: the reward model (cfg.reward_model), else the reward functions (cfg.reward_fn, a list)
     weighted by cfg.reward_weights (empty = 1.0 each), else the built-in task's reward, as a WeightedReward of one;
     with cfg.reward_url, the reward servers at those URLs (ppo_core.rewards.remote); with cfg.judge, a generative judge
-    (ppo_core.rewards.judges); with cfg.environment, none: the episodes score themselves (ppo_core.agents.environments)."""
+    (ppo_core.rewards.judges); with cfg.environment, none: the episodes score themselves (ppo_core.agents.environments).
+    key: the config key the functions came from, for a message (eval_reward_fn for the evaluations' source)."""
     if cfg.environment:
         return EpisodeRewards()
     if cfg.reward_url:
@@ -35,6 +36,6 @@ def make_reward_source(cfg, device="cpu", dtype=None):
     if isinstance(cfg.reward_fn, str):
         raise TypeError("cfg.reward_fn must be a list of 'module:function' specs (config.build_config makes one)")
     if cfg.reward_fn:
-        functions = [CallableReward(import_callable(spec), spec) for spec in cfg.reward_fn]
+        functions = [CallableReward(import_callable(spec, key), spec) for spec in cfg.reward_fn]
         return WeightedReward(functions, list(cfg.reward_weights) or [1.0] * len(functions), metric_names(cfg.reward_fn))
     return WeightedReward([CallableReward(TASK_REWARDS[cfg.task], f"of task '{cfg.task}'")], [1.0], [cfg.task])

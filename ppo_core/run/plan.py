@@ -131,6 +131,7 @@ each CUDA pass does take a fused kernel is for a GPU run to show (run it under t
 without the math backend).
 """
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -506,7 +507,8 @@ def check_run_fits(cfg, policy_path, prompt_len: int, processes: int, device):
         p = plan(policy_path, critic=(cfg.critic or policy_path) if uses_critic(cfg) else "", reference=cfg.reference,
                  reward_model=cfg.reward_model if os.path.exists(os.path.expanduser(cfg.reward_model or "-")) else "",
                  gpus=processes, gpu_memory_gb=max(available, 1.0) / GB, prompt_len=max(prompt_len, 1),
-                 response_len=cfg.max_new_tokens, rollout_batch=rows, micro_batch=cfg.micro_batch_size,
+                 response_len=cfg.max_new_tokens, rollout_batch=rows,
+                 micro_batch=cfg.micro_batch_size or 1,  # 0: packed micro-batches, micro_batch not read
                  micro_batch_tokens=cfg.micro_batch_tokens, lora_rank=cfg.lora_rank,
                  sharding="fsdp" if cfg.parallel == "fsdp" and processes > 1 else "none",
                  offload=cfg.cpu_offload and cfg.parallel == "fsdp" and processes > 1,
@@ -660,14 +662,17 @@ def main(argv=None):
                     activation_checkpointing=False, critic_free=False, rollout_engine="paged", kv_cache_gb=None)
     try:
         if args.config:
-            from ..config import ConfigError, build_config, load_toml, rollout_rows, uses_critic
+            from ..config import ConfigError, build_config, fit_batch_sizes, load_toml, rollout_rows, uses_critic
             try:
                 run = build_config(load_toml(args.config), toml_path=args.config)
             except ConfigError as e:
                 raise PlanError(str(e)) from None
             defaults.update(policy=run.policy or DEMO_CHECKPOINT, critic=run.critic, reference=run.reference,
                             rollout_batch=rollout_rows(run), response_len=run.max_new_tokens,
-                            micro_batch=run.micro_batch_size, micro_batch_tokens=run.micro_batch_tokens,
+                            # packed (micro_batch_size 0, unread): what padded ones would be, for --micro-batch-tokens 0
+                            micro_batch=run.micro_batch_size or fit_batch_sizes(
+                                dataclasses.replace(run, micro_batch_tokens=0)).micro_batch_size,
+                            micro_batch_tokens=run.micro_batch_tokens,
                             activation_checkpointing=run.gradient_checkpointing,
                             critic_free=not uses_critic(run), rollout_engine=run.rollout_engine,
                             kv_cache_gb=run.rollout_kv_cache_gb or None)

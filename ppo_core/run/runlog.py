@@ -20,17 +20,19 @@ import json
 import os
 import platform
 import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 
 from . import checkpoint
 from . import distributed as dist
-from ..config import PPOConfig, to_dict
+from ..config import PPOConfig, absolute_paths, to_dict
 from ..rewards.functions import specs_as_today
 
 
@@ -342,6 +344,7 @@ class RunDir:
             saved = {k: [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) and isinstance(resolved.get(k), list)
                      else v for k, v in saved.items()}
             saved = specs_as_today(saved)  # specs naming a module where it was before the subpackages
+            saved = absolute_paths(saved)  # a run saved with relative paths: as this directory reads them
             differ = sorted(k for k in set(saved) | set(resolved)
                             if k not in IGNORED_FOR_IDENTITY and saved.get(k) != resolved.get(k))
             finished = os.path.isfile(os.path.join(path, "summary.json"))
@@ -416,46 +419,70 @@ class IterationAbandoned(BaseException):
     it for an error of the code it interrupted."""
 
 
+HARD_STOP_S = 2.0  # seconds an abandoned iteration may take to unwind before the watchdog ends the process
+
+
 class StopSignals:
     """While active, SIGTERM and SIGINT only set `requested`; the loop saves a checkpoint and stops at the end of the
     iteration in flight (exit status 143). The iteration is abandoned instead, its work lost and the last checkpoint
     left as it is, when a second SIGTERM or SIGINT comes, or `grace_s` seconds (config stop_grace_s; 0: no limit)
-    after the first: IterationAbandoned is raised in the loop where it is, but only between work_starts() and work_ends(), the
-    iteration's work (rollout, update, evaluation), which writes nothing to the run directory. Arriving anywhere else
-    (its metrics line, its samples, a checkpoint save), it waits for that to finish and the run stops there, as after
-    one signal: nothing is ever half-written.
+    after the first: IterationAbandoned is raised in the loop where it is, but only between work_starts() and
+    work_ends(), the iteration's work (rollout, update, evaluation), which writes nothing to the run directory.
+    Arriving anywhere else (its metrics line, its samples, a checkpoint save), it waits for that to finish and the run
+    stops there, as after one signal.
+
+    The interpreter runs a signal's handler only between two bytecodes of the main thread: not while it is inside
+    one long call (a decode step of a large model on a loaded machine, a reward function's own C code); and the
+    exception, raised once, does not bring the main thread out of a later wait for a thread the abandoned work left
+    running (a reward function's pool joined as it unwinds; ppo_core.train.main ends the process itself rather than
+    let the interpreter's exit join them). So the clock is kept by a watchdog thread, which hears
+    every signal at once (signal.set_wakeup_fd: the C-level handler writes the signal's number to a pipe, whatever
+    the main thread is doing). At the moment to abandon it interrupts the main thread (SIGALRM, whose handler raises
+    IterationAbandoned there); if the loop is still inside this block HARD_STOP_S seconds later, the watchdog takes
+    `writing` (held by the loop while a metrics or samples line is written, so no line is ever cut), prints
+    last_words(why, iteration) on stderr and ends the process, os._exit(143). Nothing written is lost: metrics.jsonl
+    and samples.jsonl are whole lines, and a checkpoint save is atomic against a kill anywhere
+    (ppo_core.run.checkpoint), so the last complete one stays; a resume cuts the metrics back to it.
 
     What a scheduler's pre-emption gets: SIGTERM, then SIGKILL after its grace period (Slurm's KillWait and Kubernetes'
     terminationGracePeriodSeconds default to 30 s, `docker stop` 10 s, `timeout` never unless given -k). The run stops
     at the end of the iteration in flight if it ends within stop_grace_s, with a checkpoint of it; else it is abandoned
-    then, exit 143 with the line of StopRequested. A SIGKILL that comes first still leaves the last checkpoint
-    intact (saves are atomic: ppo_core.run.checkpoint), only without that line. With several processes each abandons on
-    its own signal; one blocked in a collective waits for it (or for the SIGKILL)."""
+    then, and the process is gone within HARD_STOP_S more, exit 143 with the line of StopRequested. A SIGKILL that
+    comes first still leaves the last checkpoint intact, only without that line. With several processes each abandons
+    on its own signal; one blocked in a collective is ended by its watchdog."""
 
-    def __init__(self, grace_s: float = 0.0):
+    def __init__(self, grace_s: float = 0.0, last_words=None, hard_stop_s: float = HARD_STOP_S):
         self.requested = None  # the first signal's name
         self.abandon = None  # why the iteration in flight is to be abandoned, once it is
-        self.grace_s = grace_s
-        self._abandonable = False
+        self.grace_s, self.hard_stop_s = grace_s, hard_stop_s
+        self.last_words = last_words or (lambda why, iteration: f"{why}: abandoned iteration {iteration}")
+        self.writing = threading.Lock()  # held while a line of the run directory is written: the watchdog waits
         self.iteration = None
+        self._abandonable = False
+        self._active = False  # the loop is inside the block; under _state, which the watchdog's exit takes too
+        self._state = threading.Lock()
         self._previous = {}
+        self._wakeup = None  # (read end, write end, the wakeup fd before ours)
 
     def __enter__(self):
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)  # set_wakeup_fd's requirement: a full pipe never blocks a handler
+            self._wakeup = (read_fd, write_fd, signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(read_fd,), name="stop-watchdog", daemon=True).start()
+        self._active = True
         return self
 
     def _handle(self, signum, frame):
+        """The main thread's handler: the first SIGTERM / SIGINT asks for a stop, a second abandons; SIGALRM comes
+        from the watchdog when stop_grace_s is over (self.abandon already says why)."""
         name = signal.Signals(signum).name
-        if signum == signal.SIGALRM:  # stop_grace_s after the first signal
-            self._abandon(f"received {self.requested} {self.grace_s:g} s ago (stop_grace_s)")
+        if signum == signal.SIGALRM:
+            self._abandon(self.abandon or f"received {self.requested} {self.grace_s:g} s ago (stop_grace_s)")
         elif self.requested is None:
             self.requested = name
-            if self.grace_s > 0:
-                signal.setitimer(signal.ITIMER_REAL, self.grace_s)
         else:
             self._abandon(f"received {self.requested}, then {name}")
 
@@ -464,6 +491,55 @@ class StopSignals:
         if self._abandonable:
             self._abandonable = False  # raised once
             raise IterationAbandoned(why)
+
+    def _watch(self, read_fd):
+        """The watchdog thread: reads the signals' numbers from the wakeup pipe (closed by __exit__) and keeps two
+        deadlines, when to abandon (stop_grace_s after the first signal) and when to end the process (HARD_STOP_S
+        after abandoning, or after a second signal)."""
+        first = why = abandon_at = end_at = None
+        try:
+            while True:
+                due = [t for t in (abandon_at, end_at) if t is not None]
+                wait = max(0.0, min(due) - time.monotonic()) if due else None
+                if select.select([read_fd], [], [], wait)[0]:
+                    numbers = os.read(read_fd, 512)
+                    if not numbers:
+                        return  # the block is over
+                    for name in (signal.Signals(n).name for n in numbers if n in (signal.SIGTERM, signal.SIGINT)):
+                        if first is None:
+                            first = name
+                            if self.grace_s > 0:
+                                abandon_at = time.monotonic() + self.grace_s
+                        elif end_at is None:  # the main thread's handler abandons as soon as it runs
+                            why, abandon_at = f"received {first}, then {name}", None
+                            end_at = time.monotonic() + self.hard_stop_s
+                elif abandon_at is not None and time.monotonic() >= abandon_at:
+                    why, abandon_at = f"received {first} {self.grace_s:g} s ago (stop_grace_s)", None
+                    self.abandon = self.abandon or why
+                    with self._state:  # not once the handlers are restored: SIGALRM's default ends the process
+                        if self._active:
+                            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+                    end_at = time.monotonic() + self.hard_stop_s
+                elif end_at is not None and time.monotonic() >= end_at:
+                    self._end_process(why)
+                    return
+        finally:
+            os.close(read_fd)
+
+    def _end_process(self, why):
+        """The loop did not come out of the block in time: the line, then os._exit(143), once no line of the run
+        directory is half-written. Nothing if the loop has just come out (it says the line itself)."""
+        with self.writing, self._state:
+            if not self._active:
+                return
+            try:
+                line = self.last_words(why, self.iteration)
+            except Exception as e:  # the line must not keep the process alive
+                line = f"{why}: abandoned iteration {self.iteration} ({type(e).__name__} in saying more: {e})"
+            sys.stdout.flush()
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+            os._exit(143)
 
     def work_starts(self, iteration):
         """Iteration `iteration`'s work (rollout, update, evaluation) begins: a second signal, or the grace period, may
@@ -478,10 +554,14 @@ class StopSignals:
         self._abandonable = False
 
     def __exit__(self, *exc):
-        if signal.SIGALRM in self._previous:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        with self._state:
+            self._active = False
+            if self._wakeup is not None:
+                read_fd, write_fd, before = self._wakeup
+                signal.set_wakeup_fd(before)
+                os.close(write_fd)  # the watchdog reads the end of the pipe and returns
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
         return False
 
 
