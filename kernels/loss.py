@@ -18,6 +18,11 @@ chunks' losses. That is exact for every loss that splits over rows the way a mic
 subset of the rows with the minibatch's global counts (ppo_core.algo.aggregate's num_tokens, num_seqs) gives that
 subset's share, which is the contract ppo_core.update's micro-batches already rely on. A loss that couples the rows of
 a batch (rows_separate=False: a statistic over all tokens selects or weights them) gets one chunk holding every row.
+A loss whose tokens separate (tokens_separate=True: a token's gradient depends on its own log-prob alone, as every
+token-level loss's does) is cut finer: into balanced tiles of tokens, across row boundaries, as the budget allows
+(rows of whole sequences would leave small remainders, and each chunk costs a [V, H] dweight product). A tile's
+call gets the rows its tokens lie in, with placeholder log-probs (0) on those rows' other tokens; only the tile's
+tokens' gradients are kept, and the loss's value and statistics come from one more call on every row at the end.
 When a chunk would not fit (one row's tokens, or a coupled batch, beyond MAX_CHUNK_FACTOR times the budget),
 the call falls back to linear_logprobs' autograd Function and `loss_fn` on the whole batch: the same result, at the
 cost of a recomputation of the logits in the backward.
@@ -321,7 +326,22 @@ def row_chunks(kept_per_row, budget, rows_separate=True):
     return chunks
 
 
-def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate, backend):
+def token_tiles(kept_per_row, budget, T):
+    """Balanced tiles of kept tokens for a loss whose tokens separate: ceil(total / budget) tiles of nearly equal size,
+    row boundaries ignored. -> (bounds [(first kept token, end), ...], rows [(first row, end row) each tile spans]),
+    at least one tile (an empty one spanning every row when no token is kept)."""
+    total, B = sum(kept_per_row), len(kept_per_row)
+    if total == 0:
+        return [(0, 0)], [(0, B)]
+    n_tiles = -(-total // budget)
+    size = -(-total // n_tiles)
+    row_of = [row for row, n in enumerate(kept_per_row) for _ in range(n)]  # the row of each kept token, in order
+    bounds = [(r0, min(r0 + size, total)) for r0 in range(0, total, size)]
+    return bounds, [(row_of[r0], row_of[r1 - 1] + 1) for r0, r1 in bounds]
+
+
+def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate, tokens_separate,
+                         backend):
     if labels.dim() != 2 or hidden.dim() != 3 or hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden [B, T, H] {tuple(hidden.shape)} and labels [B, T] {tuple(labels.shape)} disagree")
     if temperature <= 0:
@@ -335,8 +355,9 @@ def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entr
     kept_per_row = in_loss.sum(-1).tolist()  # one host read per call
     elements = TRITON_LOSS_CHUNK_ELEMENTS if backend == "triton" else TORCH_LOSS_TILE_ELEMENTS
     budget = max(1, elements // max(V, 1))
+    tokens_separate = tokens_separate and rows_separate
     chunks = row_chunks(kept_per_row, budget, rows_separate)
-    if max(sum(kept_per_row[s0:s1]) for s0, s1 in chunks) > MAX_CHUNK_FACTOR * budget:
+    if not tokens_separate and max(sum(kept_per_row[s0:s1]) for s0, s1 in chunks) > MAX_CHUNK_FACTOR * budget:
         # a chunk too large to hold its logits: log-probs with their own (recomputing) backward, the loss on them
         out = _linear._linear_token_logprobs(hidden, weight, labels, temperature, need_entropy, backend)
         logp, entropy = out if need_entropy else (out, None)
@@ -351,10 +372,13 @@ def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entr
         kept = in_loss.reshape(-1).nonzero().squeeze(1)  # [Nk] positions in the flat [B*T], row-major
         h_kept = hidden.reshape(-1, H).index_select(0, kept)
         labels_kept = labels.reshape(-1).index_select(0, kept)
-        ends = [0]
-        for n in kept_per_row:
-            ends.append(ends[-1] + n)
-        bounds = [(ends[s0], ends[s1]) for s0, s1 in chunks]  # each chunk's range of kept rows
+        if tokens_separate:  # tiles of tokens, each handed to the loss with the rows it spans (see below)
+            bounds, chunks = token_tiles(kept_per_row, budget, T)
+        else:
+            ends = [0]
+            for n in kept_per_row:
+                ends.append(ends[-1] + n)
+            bounds = [(ends[s0], ends[s1]) for s0, s1 in chunks]  # each chunk's range of kept rows
         losses, chunk_stats = [], []
 
         def chunk_grad(i, logp_rows, entropy_rows):  # the loss on chunk i's rows, and its per-token gradient
@@ -381,12 +405,12 @@ def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entr
         if need_entropy:
             entropy = torch.zeros(B * T, device=hidden.device, dtype=acc).index_copy_(
                 0, kept, entropy_kept.to(acc)).view(B, T)
-        loss = losses[0]
-        for part in losses[1:]:
-            loss = loss + part
-        # the statistics of the whole batch: the one chunk's, or the loss evaluated again on every row (cheap:
-        # elementwise over [B, T]), since a chunk's masked means are not the batch's
-        stats = chunk_stats[0] if len(chunks) == 1 else loss_fn(logp, entropy, slice(None))[1]
+        if tokens_separate or len(chunks) > 1:
+            # the value and statistics of the whole batch: the loss evaluated again on every row (cheap: elementwise
+            # over [B, T]), since a chunk's masked means are not the batch's, and a tile's loss saw placeholders
+            loss, stats = loss_fn(logp, entropy, slice(None))
+        else:
+            loss, stats = losses[0], chunk_stats[0]
         dhidden = dweight = None
         if need_dh:
             dhidden = torch.zeros((B * T, H), device=hidden.device, dtype=hidden_in.dtype)
@@ -398,18 +422,21 @@ def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entr
 
 
 def linear_logprob_loss_triton(hidden, weight, labels, loss_fn, *, temperature=1.0, need_entropy=False,
-                               rows_separate=True):
+                               rows_separate=True, tokens_separate=False):
     """`linear_logprob_loss` on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    return _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate, "triton")
+    return _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate,
+                                tokens_separate, "triton")
 
 
 def linear_logprob_loss_torch(hidden, weight, labels, loss_fn, *, temperature=1.0, need_entropy=False,
-                              rows_separate=True):
+                              rows_separate=True, tokens_separate=False):
     """`linear_logprob_loss` on the chunked torch path (what CPU tensors run)."""
-    return _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate, "torch")
+    return _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate,
+                                tokens_separate, "torch")
 
 
-def linear_logprob_loss(hidden, weight, labels, loss_fn, *, temperature=1.0, need_entropy=False, rows_separate=True):
+def linear_logprob_loss(hidden, weight, labels, loss_fn, *, temperature=1.0, need_entropy=False, rows_separate=True,
+                        tokens_separate=False):
     """loss_fn(linear_token_logprobs(hidden, weight, labels, temperature)) without the [B*T, V] logits.
 
     hidden: [B, T, H]; weight: [V, H] the LM head; labels: [B, T] int, IGNORE_INDEX (-100) on tokens outside the
@@ -418,10 +445,13 @@ def linear_logprob_loss(hidden, weight, labels, loss_fn, *, temperature=1.0, nee
     (a slice of B), given their log-probs logp [b, T] (and entropies [b, T] with need_entropy, else None) as tensors
     that require grad. It must split over rows as a micro-batch does (the loss of a set of rows, with the batch's
     global counts, is that set's share), unless rows_separate=False, which hands it every row at once.
+    tokens_separate=True (a loss whose gradient at a token reads that token's log-prob alone, and its row's mask):
+    tiles of tokens across rows instead, the loss called on the rows a tile spans with placeholders (0) on their
+    other tokens, then once more on every row for its value and statistics.
     Returns (loss, stats, logp [B, T], entropy [B, T] or None): the loss with gradients to hidden and weight (formed
     in the forward: the backward only scales them), the stats loss_fn reported (on the whole batch), and the
     log-probs and entropies, detached. Under autocast, fp32 hidden and weight are cast to the autocast dtype first
     (their gradients come back in fp32); a weight of another dtype than hidden is cast to hidden's.
     """
     return _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entropy, rows_separate,
-                                _backend(hidden.device))
+                                tokens_separate, _backend(hidden.device))

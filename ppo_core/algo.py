@@ -271,10 +271,19 @@ def loss_settings(kind, cfg):
     return {name: getattr(cfg, name) for name in POLICY_LOSSES[kind][1]}
 
 
-def loss_couples_rows(kind):
-    """True when loss `kind`'s value on some rows depends on other rows' log-probs (a batch statistic chooses its
-    tokens): the fused head then hands it all of a micro-batch's rows at once, instead of chunks of them."""
+def loss_coupling(kind):
+    """What the gradient of loss `kind` at one token depends on besides that token's log-prob: "token" nothing (a
+    token-level loss: L = sum_t w_t l(logp_t), the weights w_t from the mask alone), "row" the other log-probs of its
+    row (a sequence ratio: GSPO, GMPO), "batch" every row's (a batch statistic chooses its tokens: Clip-Cov, KL-Cov).
+    The fused head (ppo_kernels.linear_logprob_loss) then hands the loss any tile of tokens, whole rows, or a whole
+    micro-batch at once. A loss declared "token" that is not would train on wrong gradients: its test against the
+    reference head in its own test file catches that."""
     return POLICY_LOSSES[kind][2]
+
+
+def loss_couples_rows(kind):
+    """True when loss `kind`'s gradient at a token depends on other rows' log-probs (loss_coupling "batch")."""
+    return loss_coupling(kind) == "batch"
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -644,14 +653,15 @@ def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-3, kl_c
 
 
 POLICY_LOSSES = {
-    # kind: (its function, the config fields it takes (handed to it by name), whether it couples rows)
-    "ppo": (policy_loss, ("clip_low", "clip_high", "dual_clip"), False),
-    "cispo": (cispo_policy_loss, ("clip_low", "clip_high"), False),
-    "gspo": (gspo_policy_loss, ("clip_low", "clip_high"), False),
-    "sapo": (sapo_policy_loss, ("sapo_tau_pos", "sapo_tau_neg"), False),
-    "gmpo": (gmpo_policy_loss, ("gmpo_clip_low", "gmpo_clip_high"), False),
-    "clip_cov": (clip_cov_policy_loss, ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), True),
-    "kl_cov": (kl_cov_policy_loss, ("kl_cov_ratio", "kl_cov_coef"), True),
+    # kind: (its function, the config fields it takes (handed to it by name), what a token's gradient depends on
+    #        besides its own log-prob: "token" nothing, "row" its row's, "batch" every row's; see loss_coupling)
+    "ppo": (policy_loss, ("clip_low", "clip_high", "dual_clip"), "token"),
+    "cispo": (cispo_policy_loss, ("clip_low", "clip_high"), "token"),
+    "gspo": (gspo_policy_loss, ("clip_low", "clip_high"), "row"),
+    "sapo": (sapo_policy_loss, ("sapo_tau_pos", "sapo_tau_neg"), "token"),
+    "gmpo": (gmpo_policy_loss, ("gmpo_clip_low", "gmpo_clip_high"), "row"),
+    "clip_cov": (clip_cov_policy_loss, ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "batch"),
+    "kl_cov": (kl_cov_policy_loss, ("kl_cov_ratio", "kl_cov_coef"), "batch"),
 }
 """Every policy loss by its policy_loss_kind. ppo_core.config refuses any other kind, and refuses a setting of one
 loss (a field some entry names) set away from its default while another loss, which does not name it, is chosen."""

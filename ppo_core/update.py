@@ -338,10 +338,12 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
             stats["entropy"] = algo.masked_mean(entropy.detach(), mask)
         return loss, stats
 
+    coupling = algo.loss_coupling(cfg.policy_loss_kind)  # what one token's gradient reads: the fused head's tiles
+
     def fused_head(hidden, weight):
         return ppo_kernels.linear_logprob_loss(hidden, weight, labels, objective, temperature=cfg.temperature,
                                                need_entropy=want_entropy,
-                                               rows_separate=not algo.loss_couples_rows(cfg.policy_loss_kind))
+                                               rows_separate=coupling != "batch", tokens_separate=coupling == "token")
 
     def reference_head(hidden, weight):
         return ppo_kernels.linear_logprob_loss_reference(hidden, weight, labels, objective,

@@ -351,7 +351,7 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
         assert line.startswith("policy loss: algo.cispo_policy_loss, " if fused == "true" else
                                "the torch reference for every head: full logits, log_softmax + gather, "
                                "algo.cispo_policy_loss, ")
-        assert ("on fused linear_logprob_loss (chunked torch; the loss's per-token gradient taken per chunk of rows"
+        assert ("on fused linear_logprob_loss (chunked torch; the loss's per-token gradient taken per tile of tokens"
                 in line) == (fused == "true")
         assert "off_policy_correction='tis'" in line
     (*fused_scalars, fused_grads), (*plain_scalars, plain_grads) = results["true"], results["false"]

@@ -35,7 +35,7 @@ import ppo_kernels  # noqa: E402
 import ppo_kernels.loss as loss_module  # noqa: E402
 from ppo_core import algo  # noqa: E402
 from ppo_kernels.loss import (  # noqa: E402
-    linear_logprob_loss_reference, linear_logprob_loss_torch, linear_logprob_loss_triton, row_chunks,
+    linear_logprob_loss_reference, linear_logprob_loss_torch, linear_logprob_loss_triton, row_chunks, token_tiles,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf/nan warnings in the interpreter
@@ -342,7 +342,63 @@ def test_rows_separate_false_is_one_chunk_for_a_loss_that_couples_rows(impl, mon
     assert [c[0] for c in calls] == [slice(0, 4)]  # one chunk of every row: no fallback, no stats' call
     assert_no_worse(got, reference, truth, TOL64 if dtype == torch.float64 else TOL32)
     wrong = run(IMPLS[impl], hidden, weight, labels, coupled_loss(tokens), temperature=0.7)  # rows_separate=True
-    assert abs(wrong.loss.item() - truth.loss.item()) > 1e-3 * abs(truth.loss.item())  # the flag is what makes it right
+    # the flag is what makes it right: chunked, each chunk's gradient is that of its own (mean logp)^2 (the value is
+    # the whole batch's either way: it comes from one more call on every row)
+    gap = (wrong.dhidden.double().cpu() - truth.dhidden).abs().max().item()
+    assert gap > 1e-3 * truth.dhidden.abs().max().item()
+
+
+@pytest.mark.parametrize("kept, budget, bounds, rows", [
+    ([3, 2, 4, 1], 5, [(0, 5), (5, 10)], [(0, 2), (2, 4)]),  # 10 tokens, 2 tiles of 5: the rows they lie in
+    ([3, 2, 4, 1], 4, [(0, 4), (4, 8), (8, 10)], [(0, 2), (1, 3), (2, 4)]),  # ceil(10 / 4) = 3 tiles of <= 4, across rows
+    ([7, 0, 0], 4, [(0, 4), (4, 7)], [(0, 1), (0, 1)]),  # one long row in two tiles
+    ([128] * 16, 220, [(r0, r0 + 205) for r0 in range(0, 1845, 205)] + [(1845, 2048)],
+     [(r0 // 128, (r0 + 204) // 128 + 1) for r0 in range(0, 1845, 205)] + [(14, 16)]),  # 10 tiles, not 16 rows
+    ([0, 0], 5, [(0, 0)], [(0, 2)]),  # no token: one empty tile over every row
+])
+def test_token_tiles_hand_worked(kept, budget, bounds, rows):
+    assert token_tiles(kept, budget, 0) == (bounds, rows)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("config", ["ppo-dual-clip-k3-entropy", "cispo-k2", "ppo-seq-mean-token-sum-norm-T1.3",
+                                    "made-up"])
+def test_token_level_losses_in_tiles_across_rows(impl, config, monkeypatch, poisoned_empty):
+    # tokens_separate=True: tiles of a few tokens that cut rows in two, each loss call seeing placeholders (0) on its
+    # rows' other tokens; the loss, stats, dhidden and dweight equal the reference's (and the float64 truth)
+    dtype = DTYPES[impl]
+    _, _, need_entropy, temperature = CONFIGS[config]
+    hidden, weight, labels, tokens = inputs(impl, seed=3, temperature=temperature)
+    make_loss = lambda toks: config_loss(config, toks)[0]  # noqa: E731
+    kwargs = dict(temperature=temperature, need_entropy=need_entropy)
+    truth, reference = truth_and_reference(hidden, weight, labels, tokens, make_loss, **kwargs)
+    if dtype == torch.float64:
+        reference = truth
+    budget = 7  # tokens per tile: rows of ~20-29 kept tokens are cut into several tiles each
+    monkeypatch.setattr(loss_module, BUDGETS[impl], budget * weight.shape[0])
+    calls = []
+    got = run(IMPLS[impl], hidden, weight, labels, spy(make_loss(tokens), calls), tokens_separate=True, **kwargs)
+    bounds, rows = token_tiles(kept_per_row(labels), budget, labels.shape[1])
+    assert len(bounds) >= 5 and any(s1 - s0 > 1 for s0, s1 in rows)  # tiles that span two rows
+    assert [c[0] for c in calls] == [slice(s0, s1) for s0, s1 in rows] + [slice(None)]  # then the value's call
+    assert_no_worse(got, reference, truth, TOL64 if dtype == torch.float64 else TOL32)
+
+
+def test_a_row_level_loss_needs_whole_rows():
+    # GSPO's sequence ratio reads every token of its row: in tiles across rows (tokens_separate=True, wrongly) its
+    # gradient is wrong; in chunks of whole rows it is right. The flag is what the kind's coupling sets.
+    hidden, weight, labels, tokens = inputs("torch", seed=3)
+    make_loss = lambda toks: config_loss("gspo", toks)[0]  # noqa: E731
+    truth, _ = truth_and_reference(hidden, weight, labels, tokens, make_loss)
+    assert algo.loss_coupling("gspo") == "row" and algo.loss_coupling("ppo") == "token"
+    budget = 7
+    loss_module_budget = budget * weight.shape[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loss_module, BUDGETS["torch"], loss_module_budget)
+        wrong = run(IMPLS["torch"], hidden, weight, labels, make_loss(tokens), tokens_separate=True)
+        right = run(IMPLS["torch"], hidden, weight, labels, make_loss(tokens))
+    assert (right.dhidden - truth.dhidden).abs().max().item() <= TOL64 * truth.dhidden.abs().max().item()
+    assert (wrong.dhidden - truth.dhidden).abs().max().item() > 1e-3 * truth.dhidden.abs().max().item()
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -81,7 +81,7 @@ def loss_paths(cfg: PPOConfig, device) -> str:
         return (f"the torch reference for every head: full logits, log_softmax + gather, {reference_loss}{weighted} "
                 f"(fused_kernels=false)")
     kernels = "Triton" if ppo_kernels.backend(torch.device(device)) == "triton" else "chunked torch"
-    rows = "all rows at once" if algo.loss_couples_rows(kind) else "per chunk of rows"
+    rows = {"token": "per tile of tokens", "row": "per chunk of rows", "batch": "all rows at once"}[algo.loss_coupling(kind)]
     terms = "".join([" + the KL term" if not cfg.kl_in_reward else "", " - the entropy bonus" if cfg.entropy_coef else ""])
     update = (f"policy loss: {reference_loss}{weighted}{terms}, on fused linear_logprob_loss ({kernels}; the loss's "
               f"per-token gradient taken {rows}, no [T, V] logits)")
