@@ -10,8 +10,10 @@ package: the PPO loss, KL term and entropy bonus written in closed form inside t
 0.01, entropy bonus at 0.01, token-mean), called per chunk of rows under autograd. Both take hidden [16, 128, H]
 with 2048 rows in the loss, forward and backward. Every measurement runs in a fresh subprocess on the same seeded
 inputs: its peak resident memory beyond the inputs (VmHWM after /proc/self/clear_refs once the inputs exist) is its
-own; rounds interleave before and after (a shared CPU's load drifts); the median time over rounds is reported.
-The CPU is named in the table's heading.
+own; rounds interleave before and after (a shared CPU's load drifts); the median time over rounds is reported,
+and the ratio of the median CPU times (process time, all threads: less sensitive than wall time to other jobs on a
+shared machine). The CPU is named in the table's heading. "after" runs PPO in tiles of tokens (tokens_separate=True),
+as ppo_core.update does for a token-level loss.
 """
 import argparse
 import json
@@ -80,17 +82,19 @@ def measure(which, H, V, dtype, repeats):
             return loss - ENTROPY_COEF * algo.aggregate(entropy, m, "token-mean", num_tokens=n), stats
 
         def call():
-            return ppo_kernels.linear_logprob_loss(hidden, weight, labels, objective, need_entropy=True)[0]
+            return ppo_kernels.linear_logprob_loss(hidden, weight, labels, objective, need_entropy=True,
+                                                   tokens_separate=True)[0]  # as update.py runs PPO
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident size: the inputs exist
     base = peak_kib()
-    times = []
+    times, cpu = [], []
     for _ in range(repeats + 1):  # the first call warms up
         hidden.grad = weight.grad = None
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         call().backward()
         times.append(time.perf_counter() - start)
-    return {"s": times[1:], "extra_mib": (peak_kib() - base) / 1024}
+        cpu.append(time.process_time() - start_cpu)
+    return {"s": times[1:], "cpu_s": cpu[1:], "extra_mib": (peak_kib() - base) / 1024}
 
 
 def cpu_name():
@@ -121,7 +125,7 @@ def main():
     threads = torch.get_num_threads()
     print(f"# linear policy loss, forward + backward, {B * T} rows; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"{cpu_name()}; torch {torch.__version__}, {threads} threads")
-    print(f"{'shape':<14} {'dtype':<9} {'before s':>9} {'after s':>9} {'after/before':>12} "
+    print(f"{'shape':<14} {'dtype':<9} {'before s':>9} {'after s':>9} {'after/before':>12} {'cpu ratio':>10} "
           f"{'before MiB':>11} {'after MiB':>10}")
     for shape, (H, V) in (QUICK_SHAPES if args.quick else SHAPES).items():
         for dtype in ("bfloat16", "float32"):
@@ -133,9 +137,10 @@ def main():
                                          capture_output=True, text=True, check=True).stdout
                     results[which].append(json.loads(out.strip().splitlines()[-1]))
             t = {k: statistics.median(s for r in v for s in r["s"]) for k, v in results.items()}
+            c = {k: statistics.median(s for r in v for s in r["cpu_s"]) for k, v in results.items()}
             mem = {k: max(r["extra_mib"] for r in v) for k, v in results.items()}
             print(f"{shape:<14} {dtype:<9} {t['before']:>9.3f} {t['after']:>9.3f} {t['after'] / t['before']:>12.3f} "
-                  f"{mem['before']:>11.0f} {mem['after']:>10.0f}", flush=True)
+                  f"{c['after'] / c['before']:>10.3f} {mem['before']:>11.0f} {mem['after']:>10.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -405,9 +405,10 @@ def _linear_logprob_loss(hidden, weight, labels, loss_fn, temperature, need_entr
         if need_entropy:
             entropy = torch.zeros(B * T, device=hidden.device, dtype=acc).index_copy_(
                 0, kept, entropy_kept.to(acc)).view(B, T)
-        if tokens_separate or len(chunks) > 1:
+        if chunks != [(0, B)]:
             # the value and statistics of the whole batch: the loss evaluated again on every row (cheap: elementwise
-            # over [B, T]), since a chunk's masked means are not the batch's, and a tile's loss saw placeholders
+            # over [B, T]), since a chunk's masked means are not the batch's, and a tile's loss saw placeholders.
+            # (One chunk of every row saw the batch as it is: 0 on the tokens outside the loss, as here.)
             loss, stats = loss_fn(logp, entropy, slice(None))
         else:
             loss, stats = losses[0], chunk_stats[0]
