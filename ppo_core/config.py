@@ -490,11 +490,11 @@ ALIASES = {
 def _unknown_key(key, where) -> str:
     """The line for a key that is no field, with at most three fields it may mean: first by meaning, the fields another
     library's name for them is (ALIASES; a misspelt one too: 'clip_ration' -> clip_low, clip_high), then by spelling
-    (difflib). Where a meaning is found, only close spellings (ratio >= 0.8) are added: 'clip_ration' is not
-    'iterations'."""
+    (difflib). Where a meaning is found, only near-identical spellings (ratio >= 0.9) are added: 'clip_ration' is
+    neither 'iterations' nor 'clip_cov_ratio'."""
     meant = ALIASES.get(key) or tuple(name for alias in difflib.get_close_matches(key, ALIASES, n=1, cutoff=0.8)
                                       for name in ALIASES[alias])
-    spelt = difflib.get_close_matches(key, FIELDS, n=3, cutoff=0.8 if meant else 0.6)
+    spelt = difflib.get_close_matches(key, FIELDS, n=3, cutoff=0.9 if meant else 0.6)
     close = list(dict.fromkeys([*meant, *spelt]))[:3]
     hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
     return f"unknown config key '{key}'{where}{hint}"

@@ -245,7 +245,7 @@ def test_a_chat_template_linked_out_of_the_checkpoint_is_refused(tmp_path, capsy
     os.symlink(secret, policy / "chat_template.jinja")
     run_dir = tmp_path / "run"
     assert main([f"--policy={policy}", *TINY, f"--out={run_dir}"]) == 2
-    assert one_line(capsys) == (f"ppo-train: error: {policy / 'chat_template.jinja'} is a symbolic link to "
+    assert one_line(capsys) == (f"ppo-train: error: config key 'policy': {policy / 'chat_template.jinja'} is a symbolic link to "
                                 f"{secret}, outside the checkpoint directory {policy}: refused (copy the file into the "
                                 f"checkpoint instead)")
     assert not run_dir.exists()
