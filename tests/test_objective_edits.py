@@ -2,7 +2,7 @@
 the loss function algo.py holds, so a loss replaced at run time changes the fused update exactly as it changes the
 plain reference's (full logits + the same function), on each path of the update: the chunked torch head, the Triton
 head (interpreter on the CPU), packed micro-batches, an off-policy correction's weights, LoRA adapters. And the
-edit a reader makes to the file itself changes what `ppo-train` trains.
+edit a reader makes to the file itself changes what `ppo-train` trains, in one process and in two on gloo.
 
     python -m pytest -q tests/test_objective_edits.py
 """
@@ -130,6 +130,7 @@ def test_an_edited_loss_changes_the_fused_update_as_it_changes_the_reference(rol
 CLIP_LINE = "    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)\n"
 # one iteration in float32: the rollout is the same for every run, so the weights differ only by the update
 RUN = ["-m", "ppo_core.train", "--iterations=1", "--dtype=float32", "--eval_size=8", "--progress=false"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
 def train(checkout, out, *extra):
@@ -179,3 +180,28 @@ def test_editing_algo_py_changes_what_the_default_job_trains(tmp_path):
           f"edited vs unedited: {gap('edited', 'plain'):.3g}")
     assert gap("edited", "plain") > 100 * max(rounding, 1e-7)
     assert gap("edited", "edited_ref") <= 2 * max(rounding, 1e-7)
+
+
+def test_editing_algo_py_changes_what_two_processes_train_on_gloo(tmp_path):
+    """The same file edit under torchrun (2 processes, gloo, the fused head): the two processes train the edited
+    copy's weights, as one process does (to the order in which they sum gradients, as in test_distributed), and not
+    the unedited copy's."""
+    plain, edited = checkout_copy(tmp_path / "plain", False), checkout_copy(tmp_path / "edited", True)
+    sizes = ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=4"]
+    runs = {}
+    for name, checkout, launcher in [("plain_two", plain, TORCHRUN), ("edited_two", edited, TORCHRUN),
+                                     ("edited_one", edited, [sys.executable])]:
+        out = tmp_path / f"run-{name}"
+        env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{checkout / 'shim'}", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([*launcher, *RUN, f"--out={out}", *sizes], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = load_file(str(out / "checkpoints" / "step-1" / "model.safetensors"))
+
+    def gap(a, b):
+        return max((runs[a][k] - runs[b][k]).abs().max().item() for k in runs[a])
+
+    print(f"two vs one process, edited: {gap('edited_two', 'edited_one'):.3g}; "
+          f"edited vs unedited, two processes: {gap('edited_two', 'plain_two'):.3g}")
+    assert gap("edited_two", "edited_one") <= 1e-5  # float32: the two processes' gradient sums in another order
+    assert gap("edited_two", "plain_two") > 100 * 1e-5
