@@ -652,6 +652,42 @@ def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-3, kl_c
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+def kl_penalty_policy_loss(logp, old_logp, advantages, mask, kl_penalty_beta=1.0, agg="token-mean", num_tokens=None,
+                           num_seqs=None, norm_const=None, *, weights=None):
+    """PPO's KL-penalised surrogate, the alternative to clipping in the PPO paper (Schulman et al. 2017, "Proximal
+    Policy Optimization Algorithms", arXiv:1707.06347, eq. 8, with a fixed coefficient), as a loss to minimise:
+
+      L_t = -r_t A_t + beta KL_t,   KL_t = r_t - 1 - log r_t
+
+    KL_t estimates KL[pi_old(.|s_t), pi_theta(.|s_t)] from the sampled token alone (y_t ~ pi_old): the "k3" estimator
+    of KL(pi_old || pi_theta) (Schulman 2020, "Approximating KL Divergence"), unbiased and >= 0, 0 at r_t = 1, so on
+    policy the gradient is the unclipped policy gradient -A_t grad log pi. beta = kl_penalty_beta; the paper's fixed
+    settings were beta in {0.3, 1, 3, 10} (it also adapts beta to a KL target, not done here). No clip: the penalty
+    alone keeps the ratio near 1. The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp, as in
+    `policy_loss`.
+
+    logp, old_logp, advantages, mask: [B, T] as in `policy_loss`. kl_penalty_beta >= 0. agg, num_tokens, num_seqs,
+    norm_const: see `aggregate`. weights: None, or [B, T] detached per-token weights, as in `policy_loss`.
+    Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local tokens): approx_kl,
+    ratio_mean, ratio_max_dev as in `policy_loss` (no clipfrac: nothing is clipped), and
+      kl_penalty  mean KL_t, the penalised estimate (before beta)
+    """
+    if kl_penalty_beta < 0:
+        raise ValueError(f"kl_penalty_policy_loss: kl_penalty_beta must be >= 0, got {kl_penalty_beta}")
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], as in policy_loss
+    ratio = torch.exp(log_ratio)
+    # KL_t = r_t - 1 - log r_t
+    kl = ratio - 1 - log_ratio
+    # L_t = -r_t A_t + beta KL_t
+    pg_losses = -ratio * advantages + kl_penalty_beta * kl
+    if weights is not None:
+        # L_t = w_t L^KLPEN_t, w_t detached (an off-policy correction's, as in policy_loss)
+        pg_losses = pg_losses * weights
+    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_const=norm_const)
+    stats = {"kl_penalty": masked_mean(kl, mask), **_ratio_stats(ratio, log_ratio, mask)}
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
 POLICY_LOSSES = {
     # kind: (its function, the config fields it takes (handed to it by name), what a token's gradient depends on
     #        besides its own log-prob: "token" nothing, "row" its row's, "batch" every row's; see loss_coupling)
@@ -662,6 +698,7 @@ POLICY_LOSSES = {
     "gmpo": (gmpo_policy_loss, ("gmpo_clip_low", "gmpo_clip_high"), "row"),
     "clip_cov": (clip_cov_policy_loss, ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "batch"),
     "kl_cov": (kl_cov_policy_loss, ("kl_cov_ratio", "kl_cov_coef"), "batch"),
+    "kl_penalty": (kl_penalty_policy_loss, ("kl_penalty_beta",), "token"),
 }
 """Every policy loss by its policy_loss_kind. ppo_core.config refuses any other kind, and refuses a setting of one
 loss (a field some entry names) set away from its default while another loss, which does not name it, is chosen."""

@@ -173,7 +173,8 @@ class PPOConfig:
     sigmoid gate in place of the clip; sapo_tau_pos/sapo_tau_neg), 'gmpo' (GMPO, Zhao et al. 2025: the geometric mean
     of each response's token ratios, clipped per token in log space; gmpo_clip_low/gmpo_clip_high), 'clip_cov' or
     'kl_cov' (Cui et al. 2025: PPO's clip with a few high-covariance tokens' gradients dropped, clip_cov_*; or the
-    unclipped surrogate with a |log r| penalty on the highest-covariance tokens, kl_cov_*). ppo_core.algo.POLICY_LOSSES
+    unclipped surrogate with a |log r| penalty on the highest-covariance tokens, kl_cov_*), 'kl_penalty' (the PPO
+    paper's KL-penalised surrogate, no clip: -r A + kl_penalty_beta (r - 1 - log r)). ppo_core.algo.POLICY_LOSSES
     maps each kind to its function and the fields it reads; every kind trains on the fused head (fused_kernels)."""
     ppo_epochs: int = 4
     """Passes over each rollout batch."""
@@ -236,6 +237,8 @@ class PPOConfig:
     """kl_cov: share of real tokens (at least 1), largest covariance first, given the |log r| penalty (paper: 2e-3)."""
     kl_cov_coef: float = 1.0
     """kl_cov: coefficient of the |log r| penalty on those tokens (the KL-Cov paper's 1; verl's default 0.1)."""
+    kl_penalty_beta: float = 1.0
+    """kl_penalty: beta of the per-token KL(pi_old || pi) estimate r - 1 - log r (the PPO paper's betas: 0.3-10)."""
     value_clip: float = 0.2
     """Critic predictions move at most this far from the rollout's values per update (0 = no clipping)."""
     entropy_coef: float = 0.0
@@ -672,7 +675,7 @@ def _problems(cfg: PPOConfig) -> list[str]:
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1")
     for key in ("sapo_tau_pos", "sapo_tau_neg"):
         need(getattr(cfg, key) > 0, key, "must be > 0")
-    for key in ("gmpo_clip_low", "gmpo_clip_high", "kl_cov_coef"):
+    for key in ("gmpo_clip_low", "gmpo_clip_high", "kl_cov_coef", "kl_penalty_beta"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     for key in ("clip_cov_ratio", "kl_cov_ratio"):
         need(0 < getattr(cfg, key) <= 1, key, "must be in (0, 1]")
@@ -706,8 +709,9 @@ def _problems(cfg: PPOConfig) -> list[str]:
     if cfg.off_policy_correction != "none":
         need(not cfg.old_logprobs_from_rollout, "off_policy_correction", "compares the sampler's log-probs with the "
              "recomputed old ones: it needs old_logprobs_from_rollout = false")
-        need(cfg.policy_loss_kind not in ("gspo", "gmpo"), "off_policy_correction",
-             "weights a token-level loss (ppo, cispo, sapo, clip_cov, kl_cov), not GSPO's or GMPO's sequence ratio")
+        sequence_ratio = ("gspo", "gmpo")
+        need(cfg.policy_loss_kind not in sequence_ratio, "off_policy_correction", "weights a token-level loss ("
+             f"{', '.join(k for k in POLICY_LOSS_KINDS if k not in sequence_ratio)}), not GSPO's or GMPO's sequence ratio")
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
     need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
     need(cfg.rollout_ranks >= 0, "rollout_ranks", "must be >= 0")
