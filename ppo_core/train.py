@@ -63,7 +63,7 @@ from .rewards.interface import RewardError
 from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, rollout_forward,
                       sample_rows, sampled_from_state, sampled_state, state_lists, with_reference_responses)
 from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
-from .models.tokenizer import UnknownTextError, load_tokenizer
+from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
@@ -486,12 +486,13 @@ def encoded_lengths(cfg: PPOConfig, tokenizer, rows) -> list[int]:
     """The token count of each row's prompt as the policy sees it (prompt_token_ids). A row the tokenizer cannot encode
     (a character its vocabulary lacks, and no unknown token) is a ConfigError naming its file, row and character."""
     lengths = []
-    for row in rows:
-        try:
-            lengths.append(len(prompt_token_ids(tokenizer, row, cfg)))
-        except UnknownTextError as e:
-            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
-            raise ConfigError(f"{where_is(row, files)}: {e}") from None
+    with native_stderr_held():  # a tokenizer that panics (a runaway regex) is one line, not the library's backtrace
+        for row in rows:
+            try:
+                lengths.append(len(prompt_token_ids(tokenizer, row, cfg)))
+            except UnknownTextError as e:
+                files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+                raise ConfigError(f"{where_is(row, files)}: {e}") from None
     return lengths
 
 
