@@ -398,9 +398,9 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     on the rollout engine, scored by its environment's rewards. tokens [B, R]: everything after the prompt (the
     policy's turns and the observations), response_mask 1 on the policy's tokens only, `attended` on all of them.
     Metrics per row: env/turns, env/observation_tokens, env/observation_chars_replaced (characters of observations
-    the tokenizer cannot encode, ppo_core.agents.environments.encodable_observation) and, where the environment counts them (ToolEnvironment),
-    env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its tools ran: the sandbox's for
-    Python); samples.jsonl gets each conversation turn by turn."""
+    the tokenizer cannot encode, ppo_core.agents.environments.encodable_observation) and, where the environment
+    counts them (ToolEnvironment), env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its
+    tools ran: the sandbox's for Python); samples.jsonl gets each conversation turn by turn."""
     build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns, cfg.max_tool_calls_per_turn)
     device = next(policy.parameters()).device
     t0 = time.perf_counter()

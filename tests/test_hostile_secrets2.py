@@ -109,7 +109,8 @@ def test_a_server_that_cannot_be_reached_prints_and_writes_no_secret(name, tmp_p
     assert f"reward server {printed} unreachable" in last and "***" in printed
 
 
-def test_the_command_s_stderr_config_json_and_w_b_metadata_hold_no_secret(tmp_path, monkeypatch, wandb_home):  # noqa: F811
+def test_the_command_s_stderr_config_json_and_w_b_metadata_hold_no_secret(tmp_path, monkeypatch,
+                                                                          wandb_home):  # noqa: F811
     """The real process, for the password with both quotes (which ended the first redaction's URL pattern): its
     stderr, config.json's config and command line, and W&B's offline log, whose metadata records sys.argv (neither
     shows in main() called in this process)."""
@@ -128,7 +129,8 @@ def test_the_command_s_stderr_config_json_and_w_b_metadata_hold_no_secret(tmp_pa
 
 
 @pytest.mark.parametrize("name", ["both quotes", "space", "percent-encoded at", "query token"])
-def test_a_run_its_resume_and_its_trackers_keep_no_secret(name, tmp_path, monkeypatch, capsys, wandb_home):  # noqa: F811
+def test_a_run_its_resume_and_its_trackers_keep_no_secret(name, tmp_path, monkeypatch, capsys,
+                                                          wandb_home):  # noqa: F811
     monkeypatch.setenv("WANDB_MODE", "offline")
     server = ScriptedServer(["ok", "ok", "ok", "sleep"])  # the 4th request (iteration 2's) times out: exit 3
     try:

@@ -47,8 +47,8 @@ def test_a_split_regex_past_the_regex_engine_s_limit_is_one_line_naming_the_file
     prompts.write_text("abc=\ncab=\n" + "a" * 80 + "=\nbca=\n")
     assert main([*TINY, f"--policy={policy}", f"--prompts_file={prompts}", f"--out={tmp_path / 'run'}"]) == 2
     out, err = capfd.readouterr()  # file descriptor 2 as well: where the Rust panic writes its message
-    assert err == (f"ppo-train: error: {policy / 'tokenizer.json'}: the tokenizers library failed encoding a text of 81 "
-                   f"characters (Onig: Regex search error: retry-limit-in-match over); its pre-tokenizer's regex "
+    assert err == (f"ppo-train: error: {policy / 'tokenizer.json'}: the tokenizers library failed encoding a text "
+                   f"of 81 characters (Onig: Regex search error: retry-limit-in-match over); its pre-tokenizer's regex "
                    f"backtracks past the regex engine's limit\n"), err
     assert not (tmp_path / "run").exists()
 
@@ -60,8 +60,8 @@ def test_a_lone_surrogate_escape_in_a_prompts_file_is_one_line_with_file_and_lin
     prompts.write_text('{"prompt": "abc="}\n{"prompt": "cab="}\n{"prompt": "ab\\ud800c="}\n{"prompt": "bca="}\n')
     assert main([*TINY, f"--prompts_file={prompts}", f"--out={tmp_path / 'run'}"]) == 2
     assert capsys.readouterr().err == (
-        f"ppo-train: error: config key 'prompts_file': {prompts}:3: \"prompt\" holds a lone surrogate escape (\\ud800), "
-        f"half of a UTF-16 pair and not a character: write the character itself, or both halves\n")
+        f"ppo-train: error: config key 'prompts_file': {prompts}:3: \"prompt\" holds a lone surrogate escape "
+        f"(\\ud800), half of a UTF-16 pair and not a character: write the character itself, or both halves\n")
     assert not (tmp_path / "run").exists()
 
 
@@ -84,7 +84,7 @@ def test_a_surrogate_pair_is_one_character_and_reads(tmp_path):
     assert load_rows(tmp_path / "p.jsonl") == [{"prompt": "smile \U0001F600"}]
 
 
-# ---------------------------------------------------------------------------- a tool's answer the tokenizer cannot encode
+# ---------------------------------------------------------------------------- a tool's answer it cannot encode
 
 class TimesSign(ToolEnvironment):
     """The shipped ToolEnvironment fed a call whose JSON escapes a multiplication sign (U+00D7), which the tool-demo's

@@ -59,7 +59,7 @@ class Episode:
     stepped: int = 0  # tokens after the prompt that step() has seen (turns and observations)
     done: bool = False
     observation_tokens: int = 0
-    observation_chars_replaced: int = 0  # characters of observations the tokenizer cannot encode (encodable_observation)
+    observation_chars_replaced: int = 0  # observation characters the tokenizer cannot encode (encodable_observation)
 
 
 def render(tokenizer, messages, tools, **template_kwargs):

@@ -117,7 +117,7 @@ def redact(value):
     run directory or sent to a tracker. A resume takes a credential again from the command line or the environment,
     never from what was written."""
     if isinstance(value, str):
-        for secret in sorted(_secrets, key=len, reverse=True):  # the longest first: a secret before a shorter one inside it
+        for secret in sorted(_secrets, key=len, reverse=True):  # the longest first: before a shorter one inside it
             value = value.replace(secret, "***")
         return URL_IN_TEXT.sub(lambda m: redact_url(m.group()), value) if "://" in value else value
     if isinstance(value, (list, tuple)):
