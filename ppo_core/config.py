@@ -22,6 +22,7 @@ import os
 import re
 import textwrap
 import typing
+import urllib.parse
 from dataclasses import dataclass, field, fields
 
 try:
@@ -503,6 +504,17 @@ def _unknown_key(key, where) -> str:
     return f"unknown config key '{key}'{where}{hint}"
 
 
+def url_host_port(url: str) -> bool:
+    """Whether a parser reads the URL's host and port where they are: after its last @ (a # / ? in a password would
+    end the host part before it), a port that is a number in 0-65535."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # raises ValueError when it is not a number in range
+    except ValueError:
+        return False
+    return bool(parts.hostname) and url.count("@") == parts.netloc.count("@")
+
+
 def _one_error(problems: list[str]) -> ConfigError:
     """Every problem found in one ConfigError, so that one run of the command shows all there is to fix: one problem
     as it is; several as "N config problems: first; second; ...", still one line for the command line's stderr."""
@@ -754,8 +766,12 @@ def _problems(cfg: PPOConfig) -> list[str]:
     need(cfg.judge_temperature >= 0, "judge_temperature", "must be >= 0 (0 = greedy)")
     need(not cfg.judge_score_range or (len(cfg.judge_score_range) == 2 and cfg.judge_score_range[0] < cfg.judge_score_range[1]),
          "judge_score_range", "must be empty or two numbers lo,hi with lo < hi")
-    for url in cfg.reward_url:
-        need(url.startswith(("http://", "https://")), "reward_url", f"must hold http:// or https:// URLs, not {url!r}")
+    for url in cfg.reward_url:  # the value is printed redacted (ppo_core.run.redact), never as given
+        http = url.lower().startswith(("http://", "https://"))
+        need(http, "reward_url", f"must hold http:// or https:// URLs, not {url!r}")
+        need(not http or url_host_port(url), "reward_url", "holds a URL whose host or port cannot be read: a # / ? "
+             "in its user:password@ ends the host part early, an @ after it reads as one; percent-encode them "
+             "(%23 %2F %3F %40)")
     need(cfg.reward_timeout_s > 0, "reward_timeout_s", "must be > 0")
     need(cfg.reward_retries >= 0, "reward_retries", "must be >= 0")
     need(cfg.eval_reward_fn == "" or ":" in cfg.eval_reward_fn, "eval_reward_fn", "must be 'module:function'")

@@ -397,9 +397,10 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.agents.environments): one episode per row, played
     on the rollout engine, scored by its environment's rewards. tokens [B, R]: everything after the prompt (the
     policy's turns and the observations), response_mask 1 on the policy's tokens only, `attended` on all of them.
-    Metrics per row: env/turns, env/observation_tokens and, where the environment counts them (ToolEnvironment),
-    env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its tools ran: the sandbox's for
-    Python); samples.jsonl gets each conversation turn by turn."""
+    Metrics per row: env/turns, env/observation_tokens, env/observation_chars_replaced (characters of observations
+    the tokenizer cannot encode, ppo_core.agents.environments.encodable_observation) and, where the environment
+    counts them (ToolEnvironment), env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its
+    tools ran: the sandbox's for Python); samples.jsonl gets each conversation turn by turn."""
     build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns, cfg.max_tool_calls_per_turn)
     device = next(policy.parameters()).device
     t0 = time.perf_counter()
@@ -427,7 +428,8 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     attended = torch.tensor(rows_of([[1] * len(e.tokens) for e in episodes], 0), dtype=torch.bool, device=device)
     scores = torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
     metrics = {"env/turns": [e.turns for e in episodes],
-               "env/observation_tokens": [e.observation_tokens for e in episodes]}
+               "env/observation_tokens": [e.observation_tokens for e in episodes],
+               "env/observation_chars_replaced": [e.observation_chars_replaced for e in episodes]}
     for key in ("tool_calls", "malformed_calls", "tool_errors", "calls_not_run", "tool_s"):
         if all(hasattr(env, "counts") for env in envs):
             metrics[f"env/{key}"] = [env.counts.get(key, 0) for env in envs]

@@ -40,6 +40,7 @@ import os
 import random
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -49,19 +50,20 @@ from .run import checkpoint, plan
 from .models import lora
 from .run import distributed as dist
 from .run import rollout_worker, runlog, tracking
+from .run.redact import forget_secrets, redact, remember_secrets
 from .run.rollout_worker import RolloutClient
 from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, to_dict, load_toml, parse_cli,
                      rollout_rows, uses_critic)
 from .models.model import CheckpointError, load_model, load_score_model, read_config
 from .run.precision import loss_paths, precision_line, resolve_precision
 from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
-from .rewards.remote import RewardUnavailable
+from .rewards.remote import API_KEY_ENV, PROXY_AUTH_ENV, RewardUnavailable
 from .rewards.source import make_reward_source
 from .rewards.interface import RewardError
 from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, rollout_forward,
                       sample_rows, sampled_from_state, sampled_state, state_lists, with_reference_responses)
 from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
-from .models.tokenizer import UnknownTextError, load_tokenizer
+from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
@@ -484,12 +486,13 @@ def encoded_lengths(cfg: PPOConfig, tokenizer, rows) -> list[int]:
     """The token count of each row's prompt as the policy sees it (prompt_token_ids). A row the tokenizer cannot encode
     (a character its vocabulary lacks, and no unknown token) is a ConfigError naming its file, row and character."""
     lengths = []
-    for row in rows:
-        try:
-            lengths.append(len(prompt_token_ids(tokenizer, row, cfg)))
-        except UnknownTextError as e:
-            files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
-            raise ConfigError(f"{where_is(row, files)}: {e}") from None
+    with native_stderr_held():  # a tokenizer that panics (a runaway regex) is one line, not the library's backtrace
+        for row in rows:
+            try:
+                lengths.append(len(prompt_token_ids(tokenizer, row, cfg)))
+            except UnknownTextError as e:
+                files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+                raise ConfigError(f"{where_is(row, files)}: {e}") from None
     return lengths
 
 
@@ -668,6 +671,7 @@ class RewardServerDown(Exception):
 
 EXIT_REWARD_SERVER_DOWN = 3  # not 2 (bad input): nothing is wrong with the run, it can continue
 EXIT_DISK_FULL = 4  # not 2 either: the run can continue (--resume) once there is space (runlog.disk_full_line)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it: a Ctrl-C in the start-up (runlog.interrupted_line)
 
 
 def resume_point(stream, generators, opts):
@@ -849,7 +853,8 @@ Every field of ppo_core.config.PPOConfig is a --KEY (listed below; configs/defau
 --resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json.
 Exit status: 0 done; 1 too many non-finite updates; 2 bad input (one line); 3 a reward server (--reward_url) stayed
 unreachable: a checkpoint is saved, continue with --resume once it is back; 4 the disk is full: the last checkpoint and
-every whole metrics line are kept, continue with --resume once there is space; 143 stopped by SIGTERM / SIGINT."""
+every whole metrics line are kept, continue with --resume once there is space; 143 stopped by SIGTERM / SIGINT;
+130 SIGINT in the start-up (one line)."""
 
 
 # what --resume may change: the progress bar, and where the reward server now is
@@ -864,11 +869,27 @@ def run_path(cfg, resume):
     return cfg.out or runlog.default_run_path(cfg, cfg.policy or DEMO_CHECKPOINTS[cfg.task], datetime.datetime.now())
 
 
+def say(line):
+    """One line on stderr, its credentials redacted (ppo_core.run.redact): every line main() prints."""
+    print(redact(line), file=sys.stderr)
+
+
+def redacted_excepthook(kind, error, tb):
+    """An unforeseen error's traceback, printed as Python would, with its credentials redacted."""
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, error, tb))))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + help_text())
         return 0
+    # the URLs' credentials on the command line, and the reward server's keys, are never printed or written
+    forget_secrets()
+    remember_secrets(argv)
+    remember_secrets([os.environ.get(name, "") for name in (API_KEY_ENV, *PROXY_AUTH_ENV)], whole=True)
+    sys.excepthook = redacted_excepthook
+    sys.argv[:] = redact(sys.argv)  # what other libraries record of the command (W&B's metadata keeps sys.argv)
     cfg = resume = None
     try:
         own, overrides = parse_cli(argv)
@@ -883,30 +904,34 @@ def main(argv=None):
                                   f"({', '.join(cfg.reward_url)}); give the URL again: --resume {resume} --reward_url URL")
         else:
             toml_values = load_toml(own["config"]) if "config" in own else {}
+            remember_secrets(toml_values)
             cfg = build_config(toml_values, overrides, own.get("config", ""))
         run(cfg, resume_from=resume)
     except (ConfigError, CheckpointError, RewardError, PromptsError, tracking.TrackingError, runlog.RunDirError,
             plan.PlanError, FileNotFoundError) as e:
         # a reward function's traceback, or that of a user's file that did not import: DIR/error.log
-        print(f"ppo-train: error: {runlog.log_error(e, run_path(cfg, resume))}", file=sys.stderr)
+        say(f"ppo-train: error: {runlog.log_error(e, run_path(cfg, resume))}")
         return 2
     except NonFiniteUpdates as e:
-        print(f"ppo-train: error: {e}", file=sys.stderr)
+        say(f"ppo-train: error: {e}")
         return 1
     except StopRequested as e:
-        print(f"ppo-train: {e}", file=sys.stderr)
+        say(f"ppo-train: {e}")
         if e.abandoned:  # threads the abandoned work left running (a reward function's pool) would hold up the
             sys.stdout.flush(), sys.stderr.flush()  # interpreter's exit, which joins them: the process ends here
             os._exit(143)
         return 143
     except RewardServerDown as e:
         if dist.rank() == 0:  # every process stops at once; one line
-            print(f"ppo-train: {e}", file=sys.stderr)
+            say(f"ppo-train: {e}")
         return EXIT_REWARD_SERVER_DOWN
+    except KeyboardInterrupt:  # SIGINT where runlog.StopSignals does not take it: the start-up, the final evaluation
+        say(f"ppo-train: {runlog.interrupted_line(run_path(cfg, resume))}")
+        return EXIT_INTERRUPTED
     except Exception as e:  # last: the clauses above are Exceptions too
         if not runlog.disk_full(e):
             raise
-        print(f"ppo-train: error: {runlog.disk_full_line(e, run_path(cfg, resume))}", file=sys.stderr)
+        say(f"ppo-train: error: {runlog.disk_full_line(e, run_path(cfg, resume))}")
         return EXIT_DISK_FULL
     finally:
         runlog.release_run_dir()

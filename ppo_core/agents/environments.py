@@ -36,6 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..models.tokenizer import UnknownTextError
 from ..rewards.functions import import_callable
 from .tools import (MAX_CALLS_PER_TURN, TOOL_CALL_END, TOOL_CALL_START, Calculator, PythonTool, run_tool_calls,
                     tool_messages, tool_schemas)
@@ -58,6 +59,7 @@ class Episode:
     stepped: int = 0  # tokens after the prompt that step() has seen (turns and observations)
     done: bool = False
     observation_tokens: int = 0
+    observation_chars_replaced: int = 0  # observation characters the tokenizer cannot encode (encodable_observation)
 
 
 def render(tokenizer, messages, tools, **template_kwargs):
@@ -73,18 +75,52 @@ def turn_text(tokenizer, turn_tokens, stop_ids):
     return tokenizer.decode(turn_tokens, skip_special_tokens=False)  # as the template will render it back
 
 
+OBSERVATION_REPLACEMENT = "?"  # what stands for a character of an observation the tokenizer cannot encode
+
+
+def encodable_observation(tokenizer, messages) -> int:
+    """Replace, in place, each character of the messages' "content" that the tokenizer cannot encode (a vocabulary
+    without it and no unknown token, as the demo checkpoints' character tokenizers) by OBSERVATION_REPLACEMENT, or
+    drop it where that is not encodable either; -> how many characters were replaced. An observation is data (a
+    tool's error quoting the policy's '\u00d7' as '×'): it never ends the run."""
+    def encodes(text):
+        try:
+            tokenizer.encode(text)
+            return True
+        except UnknownTextError:
+            return False
+
+    replacement = OBSERVATION_REPLACEMENT if encodes(OBSERVATION_REPLACEMENT) else ""
+    replaced = 0
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str) or encodes(content):
+            continue
+        unknown = {char for char in set(content) if not encodes(char)}
+        message["content"] = "".join(replacement if char in unknown else char for char in content)
+        replaced += sum(content.count(char) for char in unknown)
+    return replaced
+
+
 def observation_ids(tokenizer, episode: Episode, held_ids, tools, **template_kwargs):
     """The token ids of what the template adds after the sequence's `held_ids` (prompt + everything after it) once
-    the conversation holds the new observation: checked to be an incremental rendering (see the module docstring)."""
+    the conversation holds the new observation: checked to be an incremental rendering (see the module docstring).
+    Characters of the observation the tokenizer cannot encode are replaced first (encodable_observation)."""
     held_text = tokenizer.decode(held_ids, skip_special_tokens=False)
     full_text = render(tokenizer, episode.messages, tools, **template_kwargs)
+    try:
+        whole = tokenizer.encode(full_text)
+    except UnknownTextError:  # the observation is what follows the policy's last turn
+        last_turn = max(i for i, m in enumerate(episode.messages) if m.get("role") == "assistant")
+        episode.observation_chars_replaced += encodable_observation(tokenizer, episode.messages[last_turn + 1:])
+        full_text = render(tokenizer, episode.messages, tools, **template_kwargs)
+        whole = tokenizer.encode(full_text)
     if not full_text.startswith(held_text):
         at = next((i for i, (a, b) in enumerate(zip(held_text, full_text)) if a != b), min(len(held_text), len(full_text)))
         raise IncrementalRenderError(
             f"the chat template cannot be rendered turn by turn: after turn {episode.turns} the conversation renders as "
             f"...{full_text[max(0, at - 40):at + 40]!r} where the sequence holds ...{held_text[max(0, at - 40):at + 40]!r}")
     added = tokenizer.encode(full_text[len(held_text):])
-    whole = tokenizer.encode(full_text)
     if whole[len(whole) - len(added):] != added:
         raise IncrementalRenderError(f"the observation after turn {episode.turns} tokenizes differently alone than "
                                      f"in the whole conversation (tokens merge across {full_text[len(held_text):][:40]!r})")

@@ -253,8 +253,30 @@ def _is_one_json_object(path) -> bool:
         return False
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value, name):
+    """(where, character) of the first lone surrogate in a JSON value (a str, or the strs in its lists and dicts),
+    `where` being `name` with the list indices and keys that lead to it; None when there is none."""
+    if isinstance(value, str):
+        found = LONE_SURROGATE.search(value)
+        return (name, found.group()) if found else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, f"{name}[{key!r}]" if isinstance(key, str) else f"{name}[{key}]")
+        if found:
+            return found
+    return None
+
+
 def _checked(row: dict, where: str) -> dict:
     """`row` after checking its "prompt" / "messages" (a null one is dropped as absent); `where` prefixes errors."""
+    for key, value in row.items():  # JSON's "\ud800" alone: a str Python holds, which no UTF-8 tokenizer can take
+        found = _lone_surrogate(value, f'"{key}"')
+        if found:
+            raise PromptsError(f"{where}: {found[0]} holds a lone surrogate escape ({ascii(found[1])[1:-1]}), half of "
+                               f"a UTF-16 pair and not a character: write the character itself, or both halves")
     row = {key: value for key, value in row.items() if not (key in ("prompt", "messages") and value is None)}
     chat_under_prompt = isinstance(row.get("prompt"), list) and all(isinstance(t, dict) for t in row["prompt"])
     if chat_under_prompt and row["prompt"] and "messages" not in row:  # verl's layout: the chat under "prompt"

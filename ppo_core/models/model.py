@@ -235,6 +235,9 @@ _JSON_TYPE_CHECKS = {"number": lambda v: _is_int(v) or isinstance(v, float), "in
                      "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict)}
 _ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
                  "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor")
+# the ones a RoPE divides by, raises to a power or takes the log of: 0 or less gives NaN or garbage positions
+_ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                  "beta_fast", "beta_slow", "partial_rotary_factor")
 
 
 def check_hf_config(cfg, source="config.json"):
@@ -257,9 +260,9 @@ def check_hf_config(cfg, source="config.json"):
     for key, kind in _CONFIG_TYPES.items():
         if cfg.get(key) is not None and not _JSON_TYPE_CHECKS[kind](cfg[key]):
             raise CheckpointError(f"{source}: key '{key}' must be a JSON {kind}, got {cfg[key]!r}")
-    for key in ("rms_norm_eps", "rope_theta", "clip_qkv"):
-        if cfg.get(key) is not None and not cfg[key] > 0:
-            raise CheckpointError(f"{source}: key '{key}' must be positive, got {cfg[key]!r}")
+    for key in ("rms_norm_eps", "rope_theta", "clip_qkv"):  # JSON's Infinity and NaN read as floats: refused too
+        if cfg.get(key) is not None and not 0 < cfg[key] < math.inf:
+            raise CheckpointError(f"{source}: key '{key}' must be a positive finite number, got {cfg[key]!r}")
     L, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise CheckpointError(f"{source}: key 'num_key_value_heads' ({kv_heads}) must divide "
@@ -275,8 +278,13 @@ def check_hf_config(cfg, source="config.json"):
         params = cfg.get(key) or {}
         for p in [params, *(v for v in params.values() if isinstance(v, dict))]:
             for name in _ROPE_NUMBERS:
-                if p.get(name) is not None and not _JSON_TYPE_CHECKS["number"](p[name]):
+                if p.get(name) is None:
+                    continue
+                if not _JSON_TYPE_CHECKS["number"](p[name]):
                     raise CheckpointError(f"{source}: key '{key}': '{name}' must be a number, got {p[name]!r}")
+                if not (0 < p[name] if name in _ROPE_POSITIVE else -math.inf < p[name]) or not p[name] < math.inf:
+                    what = "a positive finite number" if name in _ROPE_POSITIVE else "a finite number"
+                    raise CheckpointError(f"{source}: key '{key}': '{name}' must be {what}, got {p[name]!r}")
 
 
 def _standardize_rope(cfg, family, layer_types, default_theta) -> dict:

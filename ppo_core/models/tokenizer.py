@@ -19,8 +19,11 @@ Stop tokens: a chat model often ends a turn with a token other than the tokenize
 of generation_config.json's "eos_token_id" (an int or a list); `eos_token_ids` holds the tokenizer's eos_token_id
 and those, and save_pretrained writes generation_config.json back so that a saved policy keeps them.
 """
+import contextlib
 import json
 import os
+import sys
+import tempfile
 
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
@@ -42,8 +45,9 @@ class UnknownTextError(ValueError):
 class Tokenizer:
     """A thin wrapper that knows the special tokens and the chat template of its checkpoint."""
 
-    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None, generation_config=None):
+    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None, generation_config=None, source=None):
         self.backend = tokenizer
+        self.source = source or "tokenizer.json"  # the file read, which an error names
         self.config = config
         self.special_tokens_map = _special_tokens_map(config)
         """name -> token string, only the tokens the config sets (what chat templates see)."""
@@ -78,6 +82,13 @@ class Tokenizer:
             if unknown is None:
                 raise
             raise unknown from None
+        except BaseException as e:  # the library's Rust code panicked: pyo3's PanicException is no Exception
+            if type(e).__name__ != "PanicException":
+                raise
+            reason = " ".join(str(e).split())[:200]
+            hint = "; its pre-tokenizer's regex backtracks past the regex engine's limit" if "Regex" in reason else ""
+            raise CheckpointError(f"{self.source}: the tokenizers library failed encoding a text of {len(text)} "
+                                  f"characters ({reason}){hint}") from None
 
     def encode_prompt(self, text) -> list:
         """The ids of transformers' `tokenizer(text)["input_ids"]`: `text` encoded, then tokenizer.json's
@@ -168,6 +179,31 @@ def _unknown_text_error(backend: _HFTokenizer, text):
                 return UnknownTextError(f"no token for {shown} in the tokenizer's vocabulary, and no unknown token "
                                         f"to stand for it")
     return None
+
+
+@contextlib.contextmanager
+def native_stderr_held():
+    """File descriptor 2 held in a temporary file while the block runs, and written back after it, unless the block
+    raised a CheckpointError: the message a panic of the tokenizers library's Rust code prints there (a backtrace
+    with RUST_BACKTRACE=1), which the error's one line replaces. Python's own sys.stderr writes are kept too."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        replaced = False
+        try:
+            yield
+        except CheckpointError:
+            replaced = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not replaced:
+                held.seek(0)
+                while chunk := held.read(1 << 16):
+                    os.write(2, chunk)
 
 
 def _token_str(tok):
@@ -296,4 +332,4 @@ def load_tokenizer(path) -> Tokenizer:
     except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
         reason = " ".join(str(e).split())[:200]
         raise CheckpointError(f"{tok_file}: not a tokenizer the tokenizers library can read ({reason})") from None
-    return Tokenizer(backend, config, chat_template, read_generation_config(path))
+    return Tokenizer(backend, config, chat_template, read_generation_config(path), source=tok_file)

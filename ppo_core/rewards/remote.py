@@ -10,7 +10,7 @@ answer back with the checks a local reward function gets.
 Credentials: the server's shared key from the environment variable PPO_REWARD_API_KEY, sent as
 `Authorization: Bearer KEY` (never from the config, which the run directory records); a URL's own user:password@
 goes as HTTP Basic instead; a Modal proxy auth token as Modal-Key / Modal-Secret (proxy_auth_headers). Every URL
-this module prints is redact_url's: credentials replaced by ***.
+this module prints is redact_url's (ppo_core.run.redact): credentials replaced by ***.
 
 Several URLs: the batch is split into len(urls) contiguous chunks, chunk k posted to urls[(k + start) % n] at the
 same time (the servers score in parallel, as OpenRLHF spreads a batch over its remote_rm_url list); `start` moves on
@@ -47,6 +47,7 @@ import urllib.parse
 
 import torch
 
+from ..run.redact import redact_url
 from .interface import CallableReward, RewardError
 
 # The request's own fields (ppo_core.rewards.server); a prompt column of one of these names cannot be sent.
@@ -54,30 +55,6 @@ PROTOCOL_FIELDS = ("query", "prompts", "responses", "labels")
 API_KEY_ENV = "PPO_REWARD_API_KEY"  # the reward server's shared key, on both sides (ppo_core.rewards.server)
 MAX_ANSWER_BYTES = 64 << 20
 """The longest answer read (64 MiB: a score is ~20 bytes, a judge's rationale a few KB a sample)."""
-
-
-SECRET_QUERY_KEYS = ("key", "token", "secret", "password", "passwd", "pwd", "auth", "signature", "credential")
-"""A query parameter whose name (case-blind) contains one of these holds a credential: api_key, access_token, ..."""
-
-
-def redact_url(url: str) -> str:
-    """The URL as it may be printed or stored: its userinfo (user:password@) and the values of its query parameters
-    that name a credential (SECRET_QUERY_KEYS: key=, token=, api_key=, secret=, password=, ...) replaced by ***.
-    'http://u:p@h:1/s?api_key=K&n=4' -> 'http://***:***@h:1/s?api_key=***&n=4'. Idempotent; text that is not a URL
-    comes back as it is, and a URL that cannot be parsed as '<unparsable URL>' (it could hold anything)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = ("***:***" if ":" in userinfo else "***") + "@" + host
-    query = "&".join(
-        f"{name}=***" if eq and any(word in urllib.parse.unquote_plus(name).lower() for word in SECRET_QUERY_KEYS)
-        else f"{name}{eq}{value}"
-        for name, eq, value in (item.partition("=") for item in parts.query.split("&"))) if parts.query else ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 class RewardUnavailable(RuntimeError):
@@ -148,8 +125,9 @@ class Target:
         try:
             parts = urllib.parse.urlsplit(url)
             self.host, self.port = parts.hostname, parts.port
-        except ValueError as e:
-            raise RewardError(f"reward_url {self.name}: {e}") from None
+        except ValueError:  # not its message: it quotes the port as read, which may be part of a password
+            raise RewardError(f"reward_url {self.name}: its host or port cannot be read (percent-encode a # / ? "
+                              f"in its user:password@)") from None
         if parts.scheme not in ("http", "https") or not self.host:
             raise RewardError(f"reward_url {self.name}: expected http://host[:port][/path] or https://...")
         self.https = parts.scheme == "https"

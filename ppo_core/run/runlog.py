@@ -19,7 +19,6 @@ import fcntl
 import json
 import os
 import platform
-import re
 import select
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from . import checkpoint
 from . import distributed as dist
 from ..config import PPOConfig, absolute_paths, to_dict
 from ..rewards.functions import specs_as_today
+from .redact import redact
 
 
 class RunDirError(RuntimeError):
@@ -72,23 +72,6 @@ def _versions():
     except ImportError:
         versions["triton"] = None
     return versions
-
-
-URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")  # a URL inside a word: --reward_url=http://...
-
-
-def redact_secrets(value):
-    """A config value, command-line word, or a list or dict of them, with every URL's credentials (user:password@,
-    the values of key=, token=, api_key=, ...) replaced by *** (rewards.remote.redact_url): what a run directory and a
-    tracker may keep. A resume takes the credential again from the command line or the environment, never from here."""
-    from ..rewards.remote import redact_url  # here, not at the top: the reward client's imports are not the log's
-    if isinstance(value, str):
-        return URL_IN_TEXT.sub(lambda m: redact_url(m.group()), value) if "://" in value else value
-    if isinstance(value, (list, tuple)):
-        return [redact_secrets(v) for v in value]
-    if isinstance(value, dict):
-        return {k: redact_secrets(v) for k, v in value.items()}
-    return value
 
 
 def write_json(path, obj):
@@ -292,6 +275,22 @@ def disk_full_line(error, run_path) -> str:
             f"lost; free space, then continue with: ppo-train --resume {run_path}")
 
 
+def interrupted_line(run_path) -> str:
+    """The one line of a SIGINT (Ctrl-C) that came where StopSignals does not take it: in the start-up, or after the
+    last iteration (exit status 130). Every file is written whole (write_json, RunDir.save_checkpoint), so what was
+    written is kept; the line says whether there is a checkpoint to continue from."""
+    global _open_run_dir
+    _open_run_dir = None  # the interrupt ends the run
+    try:
+        ckpt = checkpoint.latest_checkpoint(run_path) if run_path and os.path.isdir(run_path) else None
+    except checkpoint.CheckpointError:
+        ckpt = None
+    if ckpt is None:
+        return "interrupted during start-up (SIGINT); no checkpoint was saved yet, nothing else was lost"
+    return (f"interrupted (SIGINT) outside the iterations; the checkpoint of iteration "
+            f"{checkpoint.checkpoint_step(ckpt)} is intact: continue with ppo-train --resume {run_path}")
+
+
 class RunDir:
     """The run directory: created for a new run, re-opened (after checks) for a resumed one."""
 
@@ -330,7 +329,7 @@ class RunDir:
             path = resume_from or cfg.out
         else:
             path = default_run_path(cfg, policy_path, _start_time())
-        resolved = redact_secrets(to_dict(cfg))  # reward_url's credentials are never written
+        resolved = redact(to_dict(cfg))  # reward_url's credentials are never written
         resolved["policy"] = policy_path
         resolved["out"] = path
         cfg_file = os.path.join(path, "config.json")
@@ -373,7 +372,7 @@ class RunDir:
                 **({"precision": precision} if precision else {}),
                 "versions": _versions(),
                 "git_commit": _git_commit(),
-                "command": redact_secrets([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                "command": redact([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
             })
             if replaced and os.path.exists(os.path.join(path, "metrics.jsonl")):
@@ -576,12 +575,12 @@ def log_error(error: BaseException, run_path=None) -> str:
     import) went to DIR/error.log (appended, after the time and the line; earlier entries are kept). DIR: the run
     directory of the Logger open, else `run_path`, the directory the run would have written (created for it: an error
     found before the run directory was opened). The line is str(error), then "; raised at FILE:LINE[ in FUNCTION]"
-    (`error.raised_at`) and "; full traceback in DIR/error.log"."""
+    (`error.raised_at`) and "; full traceback in DIR/error.log"; both with their credentials redacted."""
     global _open_run_dir
-    line = str(error)
+    line = redact(str(error))  # a config error quotes the value it refuses, a URL's password included
     if getattr(error, "raised_at", None):
         line += f"; raised at {error.raised_at}"
-    details = getattr(error, "traceback", None)
+    details = redact(getattr(error, "traceback", None))
     run_path = _open_run_dir or run_path
     if details and run_path is not None and is_rank0():
         path = os.path.join(run_path, "error.log")
@@ -620,6 +619,7 @@ class Logger:
         self.last = time.perf_counter()
 
     def info(self, msg):
+        msg = redact(msg)  # a line may quote a URL of the config (ppo_core.run.redact)
         if self.rank0:
             if self.bar is not None:
                 self.bar.write(msg, file=sys.stderr)

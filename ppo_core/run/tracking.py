@@ -19,7 +19,8 @@ import numbers
 import os
 import secrets
 
-from .runlog import is_rank0, redact_secrets, truncate_jsonl
+from .redact import redact
+from .runlog import is_rank0, truncate_jsonl
 
 REPORT_TO = ("tensorboard", "wandb")
 SAMPLES_FILE = "samples.jsonl"
@@ -44,8 +45,8 @@ def parse_report_to(report_to) -> list[str]:
 
 def public_config(config: dict) -> dict:
     """The config without keys that name a secret (api_key, token, ...) and with the credentials in its URLs replaced
-    by *** (runlog.redact_secrets): what trackers may store."""
-    return {k: redact_secrets(v) for k, v in config.items() if not set(k.lower().split("_")) & set(SECRET_WORDS)}
+    by *** (ppo_core.run.redact): what trackers may store."""
+    return {k: redact(v) for k, v in config.items() if not set(k.lower().split("_")) & set(SECRET_WORDS)}
 
 
 def scalar_metrics(metrics: dict) -> dict[str, float]:
