@@ -144,6 +144,11 @@ class PPOConfig:
     """With an environment: the policy's turns per episode at most (a class's own max_turns attribute wins)."""
     max_turn_tokens: int = 0
     """With an environment: the tokens one turn may sample at most (0 = up to what is left of max_new_tokens)."""
+    max_observation_chars: int = 65536
+    """With an environment: each observation message's content is cut to its first max_observation_chars characters
+    before the chat template renders it and the tokenizer reads it (counted: env/observations_truncated); an
+    observation longer than what is left of max_new_tokens ends the episode anyway, and a tool echoing 10^7
+    characters took 11 GB to tokenize. 0 = no cap."""
     temperature: float = 1.0
     """Sampling temperature; log-probs for the ratio and KL are taken at the same temperature."""
     top_p: float = 1.0
@@ -740,6 +745,7 @@ def _problems(cfg: PPOConfig) -> list[str]:
         need(cfg.max_turns >= 1, "max_turns", "must be >= 1")
         need(cfg.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
         need(cfg.max_turn_tokens >= 0, "max_turn_tokens", "must be >= 0 (0 = no limit but max_new_tokens)")
+        need(cfg.max_observation_chars >= 0, "max_observation_chars", "must be >= 0 (0 = no cap)")
     need(cfg.rollout_kv_cache_gb >= 0, "rollout_kv_cache_gb", "must be >= 0 (0 = the default budget)")
     need(cfg.lora_rank >= 0, "lora_rank", "must be >= 0")
     need(cfg.lora_alpha >= 0, "lora_alpha", "must be >= 0")
@@ -852,7 +858,7 @@ def _unread_settings(cfg: PPOConfig) -> list[str]:
         for key in ("off_policy_band_low", "off_policy_band_high", "off_policy_mask_level"):
             unread(key, "off_policy_correction", "only icepop masks by a band")
     if not cfg.environment:
-        for key in ("max_turns", "max_turn_tokens"):
+        for key in ("max_turns", "max_turn_tokens", "max_observation_chars"):
             unread(key, "environment", "one response per prompt, no turns")
     if cfg.environment != "tools":
         unread("tools", "environment", "only the shipped ToolEnvironment offers them")

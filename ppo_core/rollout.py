@@ -43,7 +43,7 @@ from .models import lora
 from .run import distributed as dist
 from .config import rollout_rows
 from .engine import RolloutEngine
-from .agents.environments import make_environment, render, run_episodes
+from .agents.environments import make_environment, render, reset_messages, run_episodes
 from .engine.generate import generate
 from .data.packing import pack_rows, token_budget_micro_batches, unpack_rows
 from .data.prompts import columns_of, prompt_text
@@ -237,7 +237,8 @@ def prompt_token_ids(tokenizer, prompt, cfg):
     if cfg is not None and cfg.environment:  # an episode's first messages, as its environment gives them (any row)
         build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns, cfg.max_tool_calls_per_turn)
         row = prompt if isinstance(prompt, dict) else {"prompt": prompt}
-        return tokenizer.encode(render(tokenizer, list(build().reset(row)), tools, **episode_template_kwargs(cfg)))
+        messages = reset_messages(build(), row, cfg.environment)
+        return tokenizer.encode(render(tokenizer, messages, tools, **episode_template_kwargs(cfg)))
     if isinstance(prompt, dict) and "messages" in prompt:
         return tokenizer.encode(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False,
                                                               enable_thinking=cfg.enable_thinking))
@@ -397,10 +398,11 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.agents.environments): one episode per row, played
     on the rollout engine, scored by its environment's rewards. tokens [B, R]: everything after the prompt (the
     policy's turns and the observations), response_mask 1 on the policy's tokens only, `attended` on all of them.
-    Metrics per row: env/turns, env/observation_tokens, env/observation_chars_replaced (characters of observations
-    the tokenizer cannot encode, ppo_core.agents.environments.encodable_observation) and, where the environment
-    counts them (ToolEnvironment), env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its
-    tools ran: the sandbox's for Python); samples.jsonl gets each conversation turn by turn."""
+    Metrics per row: env/turns, env/observation_tokens, env/observations_truncated (max_observation_chars),
+    env/observation_chars_replaced (characters of observations the tokenizer cannot encode,
+    ppo_core.agents.environments.encodable_observation) and, where the environment counts them (ToolEnvironment),
+    env/tool_calls, env/malformed_calls, env/tool_errors, env/tool_s (seconds its tools ran: the sandbox's for
+    Python); samples.jsonl gets each conversation turn by turn."""
     build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns, cfg.max_tool_calls_per_turn)
     device = next(policy.parameters()).device
     t0 = time.perf_counter()
@@ -411,7 +413,8 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
         engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None, cuda_graphs=cfg.cuda_graph)
         episodes = run_episodes(engine, tokenizer, envs, prompt_rows, max_new_tokens=cfg.max_new_tokens,
                                 max_turn_tokens=cfg.max_turn_tokens or None, tools=tools,
-                                template_kwargs=episode_template_kwargs(cfg), temperature=cfg.temperature,
+                                template_kwargs=episode_template_kwargs(cfg), name=cfg.environment,
+                                max_observation_chars=cfg.max_observation_chars, temperature=cfg.temperature,
                                 top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy, seed=seed,
                                 rows=range(first, first + len(prompt_rows)),
                                 return_logprobs=records_decode_logprobs(cfg),
@@ -429,7 +432,8 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     scores = torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
     metrics = {"env/turns": [e.turns for e in episodes],
                "env/observation_tokens": [e.observation_tokens for e in episodes],
-               "env/observation_chars_replaced": [e.observation_chars_replaced for e in episodes]}
+               "env/observation_chars_replaced": [e.observation_chars_replaced for e in episodes],
+               "env/observations_truncated": [e.observations_truncated for e in episodes]}
     for key in ("tool_calls", "malformed_calls", "tool_errors", "calls_not_run", "tool_s"):
         if all(hasattr(env, "counts") for env in envs):
             metrics[f"env/{key}"] = [env.counts.get(key, 0) for env in envs]

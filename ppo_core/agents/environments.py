@@ -32,12 +32,14 @@ Shipped: ToolEnvironment, which answers the policy's tool calls (ppo_core.agents
 sandbox) until it answers without one, and scores that answer against a column of the row.
 """
 import functools
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..models.tokenizer import UnknownTextError
 from ..rewards.functions import import_callable
+from ..rewards.interface import FLOAT32_MAX, UserCode, as_number, clip_text, failure, returned_wrong, shown
 from .tools import (MAX_CALLS_PER_TURN, TOOL_CALL_END, TOOL_CALL_START, Calculator, PythonTool, run_tool_calls,
                     tool_messages, tool_schemas)
 
@@ -60,6 +62,7 @@ class Episode:
     done: bool = False
     observation_tokens: int = 0
     observation_chars_replaced: int = 0  # observation characters the tokenizer cannot encode (encodable_observation)
+    observations_truncated: int = 0  # observation messages cut to max_observation_chars
 
 
 def render(tokenizer, messages, tools, **template_kwargs):
@@ -128,17 +131,22 @@ def observation_ids(tokenizer, episode: Episode, held_ids, tools, **template_kwa
 
 
 def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_turn_tokens=None, tools=None, max_workers=8,
-                 template_kwargs=None, **sampling):
+                 template_kwargs=None, name=None, max_observation_chars=0, **sampling):
     """Play one episode per (env, prompt row) on `engine` (a ppo_core.engine.RolloutEngine). max_new_tokens: each episode's
     budget of tokens after its prompt (turns and observations); max_turn_tokens: one turn's at most; tools: the tool
     schemas the chat template renders (None: none); template_kwargs: the template's own switches (Qwen3's
-    enable_thinking); sampling: RolloutEngine.generate's temperature, top_p, top_k,
-    greedy, seed, rows (the noise rows), return_logprobs, return_entropy. -> the Episodes, with (tokens, mask[, logprobs]) filled in, in order."""
+    enable_thinking); name: the environment's, for a message (config `environment`; default: 'module:Class');
+    max_observation_chars: an observation message's content is cut to that many characters before the template
+    renders it (0: no cap; counted in Episode.observations_truncated); sampling: RolloutEngine.generate's
+    temperature, top_p, top_k, greedy, seed, rows (the noise rows), return_logprobs, return_entropy.
+    -> the Episodes, with (tokens, mask[, logprobs]) filled in, in order. Every call into an environment is checked
+    (reset_messages, step_answer): what it raises or returns wrong is a CallbackError of one line naming it."""
     stop_ids = list(tokenizer.eos_token_ids)
     template_kwargs = template_kwargs or {}
     episodes = []
     for env, row in zip(envs, prompt_rows):
-        messages = list(env.reset(row))
+        name = name or f"{type(env).__module__}:{type(env).__qualname__}"
+        messages = reset_messages(env, row, name)
         prompt_ids = tokenizer.encode(render(tokenizer, messages, tools, **template_kwargs))
         episodes.append(Episode(row, env, messages, prompt_ids))
 
@@ -147,14 +155,15 @@ def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_tu
         budget has ended it, whatever step says)."""
         text = turn_text(tokenizer, turn_ids, stop_ids)
         episode.messages.append({"role": "assistant", "content": text})
-        observation, reward, done = episode.env.step(text)
-        episode.reward += float(reward)
+        observation, reward, done = step_answer(episode, text, name)
         episode.turns += 1
         episode.stepped = len(held_ids) - len(episode.prompt_ids)
         max_turns = getattr(episode.env, "max_turns", None)
         if last or done or not observation or (max_turns is not None and episode.turns >= max_turns):
             episode.done = True
             return None
+        observation, cut = capped(observation, max_observation_chars)  # before the tokenizer reads it
+        episode.observations_truncated += cut
         episode.messages.extend(observation)
         ids = observation_ids(tokenizer, episode, held_ids, tools, **template_kwargs)
         episode.stepped += len(ids)
@@ -178,6 +187,82 @@ def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_tu
             episode.logprobs = out[2][k]
             episode.entropy = out[3][k] if sampling.get("return_entropy") else None
     return episodes
+
+
+def row_text(row) -> str:
+    """A prompt row, for a message: its prompt (or last message), clipped."""
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        return f"(prompt {clip_text(row['prompt'])})"
+    if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+        return f"(last message {clip_text(str(row['messages'][-1].get('content', '')))})"
+    return f"({shown(row)})"
+
+
+def checked_messages(messages, name, what, where) -> list:
+    """An environment's messages -> a list of {"role": str, "content": str, ...} dicts; anything else is a
+    CallbackError: "environment NAME: WHAT <what it was> WHERE: expected ..." (what: "reset returned", say)."""
+    form = 'a list of messages {"role": str, "content": str}'
+    if not isinstance(messages, (list, tuple)):
+        raise returned_wrong(f"environment {name}: {what} {shown(messages)} {where}: expected {form}", messages)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise returned_wrong(f"environment {name}: {what} message {i} {shown(message)} {where}: expected {form}",
+                                 messages)
+        if not isinstance(message.get("content"), str):
+            raise returned_wrong(f"environment {name}: {what} message {i} with content "
+                                 f"{shown(message.get('content'))} {where}: expected {form}", messages)
+    return list(messages)
+
+
+def reset_messages(env, row, name) -> list:
+    """env.reset(row), checked: the episode's first messages."""
+    where = f"for row {row_text(row)}"
+    with UserCode(lambda e: f"environment {name}: reset {failure(e)} {where}", env):
+        messages = env.reset(row)
+    return checked_messages(messages, name, "reset returned", where)
+
+
+def step_answer(episode: Episode, text, name):
+    """episode.env.step(text), checked -> (observation messages or None, reward as a float, done); the reward is
+    added to episode.reward. What it raises, an answer that is not a triple, a reward that is not a number, finite
+    and within float32's range (nor the episode's sum), an observation that is not None or a list of messages with
+    str contents: a CallbackError of one line naming the environment, the turn and the row."""
+    where = f"in turn {episode.turns + 1} of row {row_text(episode.row)}"
+    with UserCode(lambda e: f"environment {name}: step {failure(e)} {where}", episode.env):
+        answer = episode.env.step(text)
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 3):
+        raise returned_wrong(f"environment {name}: step returned {shown(answer)} {where}: expected "
+                             f"(observation messages or None, reward, done)", answer)
+    observation, reward, done = answer
+    number = as_number(reward)
+    if number is None:
+        raise returned_wrong(f"environment {name}: step returned reward {shown(reward)} {where}: expected an int "
+                             f"or float", answer)
+    if not math.isfinite(number):
+        raise returned_wrong(f"environment {name}: step returned reward {number!r} {where}: expected a finite "
+                             f"number", answer)
+    if abs(number) > FLOAT32_MAX:
+        raise returned_wrong(f"environment {name}: step returned reward {number!r} {where}: beyond float32's range, "
+                             f"where it is inf (|r| <= {FLOAT32_MAX:.4g})", answer)
+    episode.reward += number
+    if abs(episode.reward) > FLOAT32_MAX:
+        raise returned_wrong(f"environment {name}: the episode's rewards add up to {episode.reward:g} by turn "
+                             f"{episode.turns + 1} of row {row_text(episode.row)}, beyond float32's range", answer)
+    if observation is not None and not (isinstance(observation, (str, list, tuple)) and not observation):
+        observation = checked_messages(observation, name, "step returned observation", where)  # "" or []: none
+    return observation or None, number, done
+
+
+def capped(messages, max_chars):
+    """-> (messages with each content cut to its first max_chars characters (copies; 0: as they are), how many were
+    cut). Applied before the template renders them: tokenizing 10^7 characters takes minutes and gigabytes."""
+    if not max_chars:
+        return messages, 0
+    cut = [m for m in messages if len(m["content"]) > max_chars]
+    if not cut:
+        return messages, 0
+    kept = [{**m, "content": m["content"][:max_chars]} if len(m["content"]) > max_chars else m for m in messages]
+    return kept, len(cut)
 
 
 class EpisodeRewards:
@@ -249,8 +334,12 @@ def make_environment(spec: str, tools: str = "calculator,python", max_turns: int
     cls = import_callable(spec, "environment")
 
     def build():
-        env = cls()
+        with UserCode(lambda e: f"environment {spec}: building one ({cls.__name__}()) {failure(e)}", cls):
+            env = cls()
         if getattr(env, "max_turns", None) is None:
             env.max_turns = max_turns
+        if isinstance(env.max_turns, bool) or not isinstance(env.max_turns, int) or env.max_turns < 1:
+            raise returned_wrong(f"environment {spec}: max_turns is {shown(env.max_turns)}: expected an int >= 1",
+                                 env.max_turns)
         return env
     return build, getattr(cls, "tools", None)

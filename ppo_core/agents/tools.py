@@ -23,7 +23,8 @@ calculator evaluates with a stack of its own, not by recursion.
 
 A tool is a plain class: `name`, `description`, `parameters` (a JSON schema of its arguments, as the template renders
 it) and `__call__(arguments: dict) -> str`, the observation text. A tool refuses input it cannot answer by raising
-ToolError (any exception is caught by run_tool_calls and becomes an "error: ..." observation).
+ToolError (any exception is caught by run_tool_calls and becomes an "error: ..." observation; a tool that calls
+sys.exit() ends the run with one line naming it, ppo_core.rewards.interface.UserCode).
 """
 import ast
 import json
@@ -31,6 +32,8 @@ import math
 import operator
 import re
 from dataclasses import dataclass
+
+from ..rewards.interface import UserCode, failure
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"  # closes one call
@@ -198,14 +201,17 @@ def run_tool_calls(text: str, tools: dict, max_calls: int = MAX_CALLS_PER_TURN) 
             observations.append(f"error: unknown tool {clip_middle(repr(call.name), 200)} "
                                 f"(the tools: {', '.join(sorted(tools)) or 'none'})")
             continue
-        try:
-            observations.append(str(tool(call.arguments)))
-        except ToolError as e:
-            counts["tool_errors"] += 1
-            observations.append(f"error: {e}")
-        except Exception as e:  # a tool's own failure must not end the rollout; the model reads what went wrong
-            counts["tool_errors"] += 1
-            observations.append(f"error: {type(e).__name__}: {e}")
+        # what `except Exception` lets by (a tool's sys.exit()) ends the run in one line naming the tool (UserCode)
+        with UserCode(lambda e: f"tool {call.name!r} ({type(tool).__module__}:{type(tool).__qualname__}) {failure(e)} "
+                                f"on arguments {clip_middle(repr(call.arguments), 200)}", tool):
+            try:
+                observations.append(str(tool(call.arguments)))
+            except ToolError as e:
+                counts["tool_errors"] += 1
+                observations.append(f"error: {e}")
+            except Exception as e:  # a tool's own failure must not end the rollout; the model reads what went wrong
+                counts["tool_errors"] += 1
+                observations.append(f"error: {type(e).__name__}: {e}")
     if counts["calls_not_run"]:
         observations.append(f"error: {counts['calls_not_run']} more tool calls not run: at most {max_calls} "
                             f"per turn")

@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from .interface import RewardError
+from .interface import FLOAT32_MAX, RewardError, clip_text, returned_wrong
 from ..data.tasks import arith_rewards, reverse_rewards
 
 TASK_REWARDS = {"reverse": reverse_rewards, "arith": arith_rewards}
@@ -153,4 +153,12 @@ class WeightedReward:
             metrics[f"reward/{name}"] = torch.tensor(scores, dtype=torch.float32)  # [B]
             for metric, values in extra.items():
                 metrics[f"reward/{name}/{metric}"] = torch.tensor(values, dtype=torch.float32)  # [B]
+        outside = (~torch.isfinite(total) | (total.abs() > FLOAT32_MAX)).nonzero()
+        if len(outside):  # each score is within float32's range, but large weights can carry their sum past it
+            i = int(outside[0])
+            scores = {name: float(metrics[f"reward/{name}"][i]) for name in self.names}
+            terms = " + ".join(f"{w:g} * {scores[n]:g}" for w, n in zip(self.weights, self.names))
+            raise returned_wrong(f"reward_weights: the weighted reward of sample {i} (prompt {clip_text(prompts[i])}, "
+                                 f"response {clip_text(responses[i])}) is {terms} = {float(total[i]):g}, beyond "
+                                 f"float32's range (|r| <= {FLOAT32_MAX:.4g})", scores)
         return total.float(), metrics

@@ -22,17 +22,24 @@ argument, one list per column, when its signature names it (or every column, wit
 
 It returns one number per response (a list or tuple of ints or floats - NumPy and 0-dim torch scalars too - or a
 1-D NumPy array or torch tensor), or a dict {"rewards": [B numbers], "<metric>": [B numbers], ...} whose other
-entries are logged. Each element is checked: a number (not a bool, a str, a dict, None or a list), finite, one per
-response. Anything else is a RewardError of one line naming the function, the sample, its prompt and response and
-what was returned; so is a function that raises, naming the first sample it raises on alone. That error also carries
-where the function raised, `error.raised_at` ("FILE:LINE in FUNCTION", the innermost frame in the function's own file),
-and the full traceback, `error.traceback`: ppo-train adds the first to its error line and appends the second to the
-run directory's error.log (ppo_core.run.runlog.log_error).
+entries are logged. Each element is checked: a number (not a bool, a str, a dict, None or a list), finite and within
+float32's range (|r| <= 3.4e38: the loop holds rewards in float32, where 1e39 is inf), one per response; a tensor's
+values are read on the CPU (a `meta` tensor, which holds none, is named). Anything else is a RewardError of one line
+naming the function, the sample, its prompt and response and what was returned; so is a function that raises (or calls
+sys.exit: UserCode), naming the first sample it raises on alone. That error also carries where the function raised,
+`error.raised_at` ("FILE:LINE in FUNCTION", the innermost frame in the function's own file), and the full traceback,
+`error.traceback`: ppo-train adds the first to its error line and appends the second to the run directory's error.log
+(ppo_core.run.runlog.log_error).
+
+UserCode is the one wrapper around every call into a user's code (reward functions here; environments and tools,
+ppo_core.agents): whatever the code raises, SystemExit included, is a CallbackError of one line naming it.
 """
 import inspect
 import math
 import os
 import reprlib
+import signal
+import threading
 import traceback
 from collections.abc import Mapping
 
@@ -48,18 +55,115 @@ class RewardError(RuntimeError):
     raised_at = traceback = None
 
 
+class CallbackError(RewardError):
+    """A user's callback (a reward function, an environment, a tool) raised, exited, or returned what it must not:
+    one line naming it ('module:function' or the environment's spec) and what it was given."""
+
+
+# ------------------------------------------------------------------------------------------------ a user's code
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e38: a reward beyond it is inf once the loop holds it
+
+
+class UserCode:
+    """`with UserCode(describe, code):` around a call into a user's code (`code`: the function, class or object, whose
+    file `raised_at` looks for). What the call raises as its own failure leaves the block as one CallbackError,
+    describe(exception) its line (failure(exception) says what happened), with raised_at and the traceback: any
+    Exception, and what `except Exception` lets by: SystemExit (a sys.exit() would end ppo-train with the code's
+    status, 0 being success to a scheduler, and no line), GeneratorExit, and a KeyboardInterrupt no SIGINT sent.
+
+    Passed on as they are: a CallbackError (a tool's, inside an environment's step), the KeyboardInterrupt of a real
+    SIGINT, and every other BaseException, which the program raises to stop the work in flight
+    (ppo_core.run.runlog.IterationAbandoned). A real SIGINT is told from `raise KeyboardInterrupt` by a handler put in
+    front of the current one for the block, on the main thread (the only one Python runs handlers on; elsewhere no
+    KeyboardInterrupt is a signal's): it notes the signal, then calls the handler it stands in front of (Python's,
+    which raises KeyboardInterrupt; runlog.StopSignals', which asks the loop to stop)."""
+
+    def __init__(self, describe, code=None):
+        self.describe, self.code = describe, code
+        self.signalled, self.previous = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):  # SIG_IGN / SIG_DFL: no SIGINT becomes a KeyboardInterrupt
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._noted)
+        return self
+
+    def _noted(self, signum, frame):
+        self.signalled = True
+        self.previous(signum, frame)
+
+    def __exit__(self, kind, exception, tb):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        if exception is None or isinstance(exception, CallbackError):
+            return False
+        if isinstance(exception, KeyboardInterrupt) and self.signalled:
+            return False
+        if not isinstance(exception, (Exception, SystemExit, GeneratorExit, KeyboardInterrupt)):
+            return False
+        error = CallbackError(self.describe(exception))
+        error.raised_at = raised_at(self.code, exception)
+        error.traceback = "".join(traceback.format_exception(exception))
+        raise error from None
+
+
+def returned_wrong(line, value) -> CallbackError:
+    """A CallbackError for a user's code that returned `value`, wrong as `line` says; its `traceback`, for
+    DIR/error.log: the value (its repr, cut at 10,000 characters) and where the loop called the code."""
+    error = CallbackError(line)
+    error.traceback = (f"what it returned, {type(value).__name__}:\n{_long_repr.repr(value)}\n\n"
+                       f"checked at (most recent call last):\n{''.join(traceback.format_stack()[:-2])}")
+    return error
+
+
+def failure(exception: BaseException) -> str:
+    """What a user's code did, for a line: 'raised ValueError: boom', 'called sys.exit(0)', 'raised KeyboardInterrupt
+    (no SIGINT was received)'."""
+    if isinstance(exception, SystemExit):
+        return f"called sys.exit({exception.code!r})"
+    message = " ".join(str(exception).split())[:200]
+    if isinstance(exception, KeyboardInterrupt):
+        return f"raised KeyboardInterrupt{': ' + message if message else ''} (no SIGINT was received)"
+    return f"raised {type(exception).__name__}: {message}" if message else f"raised {type(exception).__name__}"
+
+
+def raised_at(code, exception):
+    """"FILE:LINE in FUNCTION" of the innermost frame of the exception's traceback in the file `code` (a function, a
+    class, or an instance of one) is defined in: the line that raised, in the code or a helper of that file, or the
+    line of that file that called the library that raised. None when no frame is in that file (a builtin, say)."""
+    code = code if inspect.isroutine(code) or inspect.isclass(code) else type(code)
+    if inspect.isclass(code):  # where its methods are written: a class from a file.py has no module in sys.modules
+        own_file = next((v.__code__.co_filename for v in vars(code).values() if inspect.isfunction(v)), None)
+    else:
+        try:
+            own_file = inspect.getsourcefile(code)
+        except TypeError:  # a builtin
+            return None
+    frames = [f for f in traceback.extract_tb(exception.__traceback__)
+              if own_file and os.path.abspath(f.filename) == os.path.abspath(own_file)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+
+
 # ---------------------------------------------------------------------------------------------------- the checks
 
 _repr = reprlib.Repr()
 _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxtuple, _repr.maxdict = 40, 60, 6, 6, 4
+_long_repr = reprlib.Repr()  # for error.log: a value whole, up to about 10,000 characters
+_long_repr.maxstring, _long_repr.maxother, _long_repr.maxlist, _long_repr.maxtuple, _long_repr.maxdict = (
+    10_000, 10_000, 1000, 1000, 1000)
 
 
-def _show(value) -> str:
+def shown(value) -> str:
     """What was returned, for a message: its type and a short repr on one line ('str '0.5'', 'None')."""
     if value is None:
         return "None"
     if isinstance(value, (np.ndarray, torch.Tensor)):
-        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+        on_cpu = not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+        device = "" if on_cpu else f" on device '{value.device}'"
+        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}{device}"
     text = _repr.repr(value).replace("\n", " ")  # an object's repr may span lines
     return f"{type(value).__name__} {text[:100]}"
 
@@ -83,7 +187,7 @@ def as_number(x):
     if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf":
         return float(x)
     if isinstance(x, torch.Tensor) and x.ndim == 0 and x.dtype != torch.bool and not x.dtype.is_complex:
-        return float(x.item())
+        return None if x.is_meta else float(x.item())  # .item(): from any device to the CPU; a meta tensor holds none
     return None
 
 
@@ -147,18 +251,13 @@ class CallableReward:
         """-> (scores: list of B floats, metrics: {metric: list of B floats}), every value checked."""
         prompts, responses = list(prompts), list(responses)
         kwargs = self.column_kwargs(columns, len(responses))
-        try:
+        with UserCode(lambda e: f"reward function {self.name} {failure(e)} {self._locate(prompts, responses, kwargs)}",
+                      self.fn):
             result = self.fn(prompts, responses, **kwargs)
-        except Exception as e:
-            message = " ".join(str(e).split())[:200]
-            error = RewardError(f"reward function {self.name} raised {type(e).__name__}: {message} "
-                                f"{self._locate(prompts, responses, kwargs)}")
-            error.raised_at, error.traceback = self._raised_at(e), "".join(traceback.format_exception(e))
-            raise error from None
         if isinstance(result, Mapping):
             if "rewards" not in result or not all(isinstance(key, str) for key in result):
-                raise RewardError(f"reward function {self.name} returned a dict with keys {_repr.repr(list(result))}: "
-                                  f"a dict must be {DICT_FORM}")
+                raise self._wrong(f"reward function {self.name} returned a dict with keys {_repr.repr(list(result))}: "
+                                  f"a dict must be {DICT_FORM}", result)
             scores = self._check(result["rewards"], "rewards", prompts, responses)
             return scores, {key: self._check(v, key, prompts, responses) for key, v in result.items() if key != "rewards"}
         return self._check(result, None, prompts, responses), {}
@@ -173,48 +272,54 @@ class CallableReward:
         """One returned list (the whole answer, entry None, or the dict's entry `entry`) -> list of B floats."""
         B = len(responses)
         where = f' in "{entry}"' if entry is not None else ""
+        if isinstance(values, torch.Tensor) and values.is_meta:
+            raise self._wrong(f"reward function {self.name} returned {shown(values)}{where}: a meta tensor holds no "
+                              f"values; return numbers (a list, or a tensor on the CPU)", values)
         if isinstance(values, (np.ndarray, torch.Tensor)) and values.ndim == 1:
             values = values.detach().cpu().tolist() if isinstance(values, torch.Tensor) else values.tolist()
         elif not isinstance(values, (list, tuple)):
             if entry is None:
-                raise RewardError(f"reward function {self.name} must return a list of numbers, one for each of the "
-                                  f"{B} responses, or a dict {DICT_FORM}; got {_show(values)}")
-            raise RewardError(f"reward function {self.name} returned {_show(values)}{where}: expected a list of "
-                              f"numbers, one for each of the {B} responses")
+                raise self._wrong(f"reward function {self.name} must return a list of numbers, one for each of the "
+                                  f"{B} responses, or a dict {DICT_FORM}; got {shown(values)}", values)
+            raise self._wrong(f"reward function {self.name} returned {shown(values)}{where}: expected a list of "
+                              f"numbers, one for each of the {B} responses", values)
         if len(values) != B:
             missing = f": none for sample {len(values)} {_sample(len(values), prompts, responses)}" if len(values) < B else ""
             what = "scores" if entry in (None, "rewards") else "values"
-            raise RewardError(f"reward function {self.name} returned {len(values)} {what}{where} for {B} responses{missing}")
+            raise self._wrong(f"reward function {self.name} returned {len(values)} {what}{where} for {B} responses"
+                              f"{missing}", values)
         checked = []
         for i, value in enumerate(values):
             number = as_number(value)
             if number is None:
-                raise RewardError(f"reward function {self.name} returned {_show(value)}{where} for sample {i} "
-                                  f"{_sample(i, prompts, responses)}: expected an int or float")
+                meta = isinstance(value, torch.Tensor) and value.is_meta
+                raise self._wrong(f"reward function {self.name} returned {shown(value)}{where} for sample {i} "
+                                  f"{_sample(i, prompts, responses)}: "
+                                  f"{'a meta tensor holds no value; expected' if meta else 'expected'} an int or float",
+                                  values)
             if not math.isfinite(number):
-                raise RewardError(f"reward function {self.name} returned {_repr.repr(value)}{where} for sample {i} "
-                                  f"{_sample(i, prompts, responses)}: expected a finite number")
+                raise self._wrong(f"reward function {self.name} returned {_repr.repr(value)}{where} for sample {i} "
+                                  f"{_sample(i, prompts, responses)}: expected a finite number", values)
+            if abs(number) > FLOAT32_MAX:  # finite in float64, inf in the float32 the loop holds rewards in
+                raise self._wrong(f"reward function {self.name} returned {_repr.repr(value)}{where} for sample {i} "
+                                  f"{_sample(i, prompts, responses)}: beyond float32's range, where it is inf "
+                                  f"(|r| <= {FLOAT32_MAX:.4g})", values)
             checked.append(number)
         return checked
 
-    def _raised_at(self, exception):
-        """"FILE:LINE in FUNCTION" of the innermost frame of the exception's traceback in the file the reward function
-        is defined in: the line that raised, in the function or a helper of that file, or the line of that file that
-        called the library that raised. None when no frame is in that file (a builtin, say)."""
-        try:
-            own_file = inspect.getsourcefile(self.fn if inspect.isroutine(self.fn) else type(self.fn))
-        except TypeError:  # a builtin
-            return None
-        frames = [f for f in traceback.extract_tb(exception.__traceback__)
-                  if own_file and os.path.abspath(f.filename) == os.path.abspath(own_file)]
-        return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    def _wrong(self, line, value) -> RewardError:
+        """The error for a function that returned `value`, wrong as `line` says: a CallbackError whose traceback (for
+        DIR/error.log) is what it returned and where it was called (returned_wrong); a RewardError of the line alone
+        for an answer no function of the user's returned (ppo_core.rewards.remote checks a server's with fn None)."""
+        return returned_wrong(line, value) if self.fn is not None else RewardError(line)
 
     def _locate(self, prompts, responses, kwargs):
         """Find the first sample on which the function raises by itself, to name it in the error."""
         for i in range(len(prompts)):
             try:
-                self.fn([prompts[i]], [responses[i]], **{key: [values[i]] for key, values in kwargs.items()})
-            except Exception:
+                with UserCode(lambda e: "", self.fn):
+                    self.fn([prompts[i]], [responses[i]], **{key: [values[i]] for key, values in kwargs.items()})
+            except CallbackError:
                 return f"on sample {i} {_sample(i, prompts, responses)}"
         return f"on a batch of {len(prompts)} samples"
 
