@@ -172,3 +172,18 @@ def test_the_shipped_and_tested_templates_render_as_transformers_does(tmp_path):
             for messages in ([chat] if path == qwen3 else []) + [plain, plain[:2]]:
                 assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs) == \
                     ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs), path
+
+
+def test_a_judge_checkpoints_template_is_bounded_too():
+    from ppo_core.rewards.judges import JudgeError, compile_judge_template, render_judge_prompt
+
+    template = "{% if false %}{{ 'a' * 5*10**9 }}{{ {'a': 1}|tojson(indent=1000000000) }}{% endif %}{{ prompt }}"
+    result, seconds, peak = measured(lambda: compile_judge_template(template))
+    assert not isinstance(result, Exception) and seconds < 1.0 and peak < 20, (seconds, peak)
+    assert render_judge_prompt(template, prompt="p") == "p"
+    for template, reason in [("{{ prompt * 10**9 }}", "str * 1000000000 would hold 1000000000 characters or items"),
+                             ("{{ [prompt]|tojson(indent=1000000000) }}", "tojson: an indent of 1000000000 (the "
+                                                                           "limit: 10000)")]:
+        with pytest.raises(JudgeError) as caught:
+            render_judge_prompt(template, prompt="p")
+        assert str(caught.value).startswith(f"the judge template {reason}"), caught.value

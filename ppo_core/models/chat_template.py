@@ -91,6 +91,23 @@ def _shallow(value) -> int:
     return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else 0
 
 
+def _json_size(value, indent) -> int:
+    """At most how many characters json.dumps(value, indent=indent) writes (a character escaped takes 6; each item
+    a line indented by its depth); stops once past MAX_TEXT."""
+    total, stack = 0, [(value, 1)]
+    while stack and total <= MAX_TEXT:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            total += 6 * len(value) + 2
+        elif isinstance(value, (list, tuple, dict)):
+            total += 2 + len(value) * (indent * depth + 4)
+            children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+        else:
+            total += 32  # a number's digits, true, null
+    return total
+
+
 def _text_size(value) -> int:
     """At most how many characters str(value) writes (a container's repr adds quotes, commas, escapes)."""
     return len(value) if isinstance(value, str) else 10 * _size(value, MAX_TEXT // 10)
@@ -228,6 +245,12 @@ def _filter_size(name, value, args, kwargs):
     if name == "urlize":
         extra = sum(_text_size(v) for v in (*args, *kwargs.values()))
         return _text_size(value) * (1 + extra)
+    if name == "tojson":  # Jinja's own (the judges' environment); the chat templates' _tojson bounds itself
+        indent = arg(0, "indent", None)
+        indent = len(indent) if isinstance(indent, str) else indent or 0
+        if indent > MAX_FORMAT_WIDTH:
+            raise _OverBound(f"tojson: an indent of {indent} (the limit: {MAX_FORMAT_WIDTH})")
+        return _json_size(value, indent)
     if name == "sum":  # sum of lists: each step copies what is summed so far
         items = list(value)
         return len(items) * sum(_shallow(item) for item in items)
@@ -403,16 +426,22 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+def bounded_environment(**options) -> jinja2.Environment:
+    """A sandboxed Jinja environment (ImmutableSandboxedEnvironment) that evaluates nothing while compiling and
+    renders under the bounds of the module docstring, through render_bounded. The judges' templates use it too."""
+    env = _BoundedEnvironment(optimized=False, finalize=_finalize, **options)
+    for name, f in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(name, f)
+    return env
+
+
 @lru_cache
 def compile_chat_template(template: str) -> jinja2.Template:
     """The template compiled, nothing in it evaluated (see the module docstring)."""
     if len(template) > MAX_TEMPLATE_CHARS:
         raise ChatTemplateError(f"a chat template of {len(template)} characters, over the limit of "
                                 f"{MAX_TEMPLATE_CHARS} (MAX_TEMPLATE_CHARS)")
-    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, optimized=False, finalize=_finalize,
-                              extensions=[_Generation, jinja2.ext.loopcontrols])
-    for name, f in list(env.filters.items()):
-        env.filters[name] = _bounded_filter(name, f)
+    env = bounded_environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -494,9 +523,9 @@ def render_chat_template(template: str, messages, *, add_generation_prompt=False
             for f in fields:
                 chat[-1][f] = chat[-1][f] + tag
     variables = {**(special_tokens or {}), **_plain(template_kwargs)}
-    compiled = compile_chat_template(template)
-    text = _bounded_render(compiled, where, messages=chat, tools=_plain(tools), documents=_plain(documents),
-                           add_generation_prompt=add_generation_prompt, **variables)
+    text = render_bounded(compile_chat_template(template), dict(
+        messages=chat, tools=_plain(tools), documents=_plain(documents), add_generation_prompt=add_generation_prompt,
+        **variables), where)
     if continue_final_message:
         if final.strip() not in text or tag.strip() not in text:
             raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
@@ -505,12 +534,13 @@ def render_chat_template(template: str, messages, *, add_generation_prompt=False
     return text
 
 
-def _bounded_render(compiled, where, **variables) -> str:
-    """compiled.render(**variables) under the render's bounds (MAX_WORK, RENDER_DEADLINE_S, an output of MAX_TEXT)."""
+def render_bounded(compiled, variables: dict, where=None, what="the chat template") -> str:
+    """compiled.render(**variables) under the render's bounds (MAX_WORK, RENDER_DEADLINE_S, an output of MAX_TEXT);
+    compiled: from bounded_environment. Past a bound: ChatTemplateError "<where>: <what> <the bound>"."""
     _render.state = [0, time.monotonic() + RENDER_DEADLINE_S]
     try:
         pieces, size = [], 0
-        for piece in compiled.generate(**variables):
+        for piece in compiled.generate(variables):
             size += len(piece)
             if size > MAX_TEXT:
                 raise _OverBound(f"wrote over {MAX_TEXT} characters (MAX_TEXT)")
@@ -519,6 +549,6 @@ def _bounded_render(compiled, where, **variables) -> str:
         return "".join(pieces)
     except (_OverBound, RecursionError) as e:
         reason = e if isinstance(e, _OverBound) else "recursed too deeply"
-        raise ChatTemplateError(f"{where + ': ' if where else ''}the chat template {reason}; it is not rendered") from None
+        raise ChatTemplateError(f"{where + ': ' if where else ''}{what} {reason}; it is not rendered") from None
     finally:
         _render.state = None
