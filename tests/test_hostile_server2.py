@@ -53,7 +53,8 @@ def serve():
 
 
 def head(length, path="/"):
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {length}\r\n\r\n").encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
 
 
 def exchange(port, raw, timeout=10.0):

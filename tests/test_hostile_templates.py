@@ -69,7 +69,8 @@ HOSTILE = {
     "doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
                  "a concatenation (~) would hold 4194304 characters or items, over the limit of 4000000 (MAX_TEXT)"),
     "doubling-plus": ("{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
-                      "a concatenation (+) would hold 4194304 characters or items, over the limit of 4000000 (MAX_TEXT)"),
+                      "a concatenation (+) would hold 4194304 characters or items, over the limit of 4000000 "
+                      "(MAX_TEXT)"),
     "center-method": ("{{ 'a'.center(10**9) }}", "the result of str.center would hold 1000000000 characters or items, "
                                                  "over the limit of 4000000 (MAX_TEXT)"),
     "center-filter": ("{{ 'a'|center(1000000000) }}", "the result of |center would hold 1000000000 characters or "

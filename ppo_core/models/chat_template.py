@@ -408,9 +408,9 @@ def _raise_exception(message):
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # unlike Jinja's own tojson: no HTML escaping, and the json.dumps options; written piece by piece, so that a value
     # reached many times over (a list of 10^4 references to one long string) stops at MAX_TEXT, never built whole
-    if isinstance(indent, int) and indent > MAX_FORMAT_WIDTH or isinstance(indent, str) and len(indent) > MAX_FORMAT_WIDTH:
-        raise _OverBound(f"tojson: an indent of {indent if isinstance(indent, int) else len(indent)} (the limit: "
-                         f"{MAX_FORMAT_WIDTH})")
+    width = len(indent) if isinstance(indent, str) else indent or 0
+    if width > MAX_FORMAT_WIDTH:
+        raise _OverBound(f"tojson: an indent of {width} (the limit: {MAX_FORMAT_WIDTH})")
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     pieces, size = [], 0
     for piece in encoder.iterencode(x):

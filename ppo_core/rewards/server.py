@@ -358,7 +358,8 @@ class Budget:
         self.total, self.left, self.changed = total, total, threading.Condition()
 
     def take(self, n, deadline) -> int:
-        """Wait until n bytes (at most the whole budget) are free and take them -> the bytes taken, 0 at the deadline."""
+        """Wait until n bytes (at most the whole budget) are free and take them -> the bytes taken (0: the deadline
+        passed first)."""
         n = min(n, self.total)
         with self.changed:
             while self.left < n:
