@@ -95,6 +95,11 @@ HOSTILE = {
                     "built more than 64000000 characters and items in one render (MAX_WORK)"),
     "long-output": ("{% for i in range(1000) %}{{ 'x' * 10000 }}{% endfor %}",
                     "wrote over 4000000 characters (MAX_TEXT)"),
+    "buffered": ("{% set x %}{% for i in range(100000) %}{% for j in range(100000) %}" + "y" * 10000 +
+                 "{% endfor %}{% endfor %}{% endset %}{{ x|length }}",  # kept in a buffer, never streamed
+                 "built more than 64000000 characters and items in one render (MAX_WORK)"),
+    "macro-body": ("{% macro m() %}{% for i in range(100000) %}{{ 'y' * 10000 }}{% endfor %}{% endmacro %}"
+                   "{{ m()|length }}", "built more than 64000000 characters and items in one render (MAX_WORK)"),
     "recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
 }
 

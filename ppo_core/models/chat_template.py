@@ -289,7 +289,20 @@ def _bounded_filter(name, f):
 
 class _BoundedCodeGenerator(CodeGenerator):
     """Jinja's code generator with every `for` loop's iterable passed through environment.bounded_iter (the
-    deadline and MAX_WORK, one unit a step) and `~` through environment.bounded_concat (a size checked first)."""
+    deadline and MAX_WORK, one unit a step), `~` through environment.bounded_concat (a size checked first), and
+    every piece of output, streamed or kept in a block's buffer (`{% set %}`, `{% filter %}`, a macro's body),
+    through environment.counted: its characters count against MAX_WORK, so no buffer outgrows it."""
+
+    def _output_const_repr(self, group):
+        return f"environment.counted({super()._output_const_repr(group)})"
+
+    def _output_child_pre(self, node, frame, finalize):
+        self.write("environment.counted(")
+        super()._output_child_pre(node, frame, finalize)
+
+    def _output_child_post(self, node, frame, finalize):
+        super()._output_child_post(node, frame, finalize)
+        self.write(")")
 
     def visit_For(self, node, frame):
         node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("bounded_iter"), [node.iter], [], None, None,
@@ -340,6 +353,11 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         for item in iterable:
             _spend(1)
             yield item
+
+    @staticmethod
+    def counted(text):
+        _spend(len(text))
+        return text
 
     @staticmethod
     def bounded_concat(parts):
