@@ -181,3 +181,18 @@ def test_a_content_length_in_other_digits_is_400(serve, length):
     status, answer, _ = exchange(port, raw)
     assert status == 400 and answer["error"].startswith("Content-Length must be a non-negative integer, got ")
     assert post(port, ["p"], ["ab"])[0] == 200
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_values=0"], "--max_values must be >= 1, got 0"),
+    (["--max_pending_mb=0"], "--max_pending_mb must be > 0, got 0"),
+    (["--score_timeout_s=inf"], "--score_timeout_s must be > 0, got inf"),
+    (["--score_timeout_s=soon"], "--score_timeout_s takes a number, got 'soon'"),
+])
+def test_the_new_limits_are_checked_as_options(argv, message):
+    with pytest.raises(reward_server.ConfigError) as caught:
+        reward_server.split_server_options(argv, environ={})
+    assert str(caught.value) == message
+    options, rest = reward_server.split_server_options(["--max_values=7", "--score_timeout_s", "2.5", "--task=x"], {})
+    assert (options["max_values"], options["score_timeout_s"], options["max_pending_mb"], rest) == \
+        (7, 2.5, 512.0, ["--task=x"])
