@@ -196,3 +196,34 @@ def test_the_new_limits_are_checked_as_options(argv, message):
     options, rest = reward_server.split_server_options(["--max_values=7", "--score_timeout_s", "2.5", "--task=x"], {})
     assert (options["max_values"], options["score_timeout_s"], options["max_pending_mb"], rest) == \
         (7, 2.5, 512.0, ["--task=x"])
+
+
+def test_a_hang_while_a_failed_batch_is_scored_request_by_request_loses_no_request():
+    """Three requests merged into one call that fails; scored alone, the second hangs: it is abandoned (504) and the
+    third, still unscored, is scored by the new thread."""
+    source = Length()
+    calls = []
+
+    def scores(prompts, responses, columns=None):
+        calls.append(list(responses))
+        if len(responses) > 1:
+            raise ValueError("a merged call fails")
+        return source(prompts, responses, columns)
+
+    source_fn = type("Source", (), {"check_columns": lambda self, names: None,
+                                    "__call__": lambda self, *a: scores(*a)})()
+    batcher = reward_server.Batcher(source_fn, max_batch=8, score_timeout_s=0.3)
+    jobs = [reward_server.Job(["p"], [r], {}) for r in ("ab", "hang", "abcd")]
+    with batcher.ready:  # queued together, so that one call takes all three
+        batcher.queue.extend(jobs)
+        batcher.ready.notify()
+    try:
+        deadline = time.monotonic() + 5
+        while not all(job.done.is_set() for job in jobs) and time.monotonic() < deadline:
+            batcher._abandon_if_hung()  # what a waiting request thread does
+            time.sleep(0.05)
+        assert [job.result[0] if job.result else type(job.error).__name__ for job in jobs] == \
+            [[2.0], "ScoringTimeout", [4.0]]
+        assert calls == [["ab", "hang", "abcd"], ["ab"], ["hang"], ["abcd"]]
+    finally:
+        source.release.set()

@@ -246,6 +246,7 @@ class Batcher:
         self.queue, self.ready = collections.deque(), threading.Condition()
         self.counts = {"requests": 0, "batches": 0, "rows": 0, "hung": 0}
         self.calls = {}  # scoring thread's generation -> (its jobs, when its current call began), while it scores
+        self.batches = {}  # scoring thread's generation -> the jobs it took from the queue, until it is done with them
         self.generation = 0  # the scoring thread that takes the queue; older ones are abandoned
         self._start_scorer()
 
@@ -277,6 +278,10 @@ class Batcher:
             if current is None or time.monotonic() - current[1] <= self.score_timeout_s:
                 return
             del self.calls[self.generation]
+            # the rest of its batch (a failed merged call's requests, scored one by one) goes back to the queue
+            rest = [job for job in self.batches.pop(self.generation, []) if job not in current[0]
+                    and not job.done.is_set()]
+            self.queue.extendleft(reversed(rest))
             self.generation += 1
             self.counts["hung"] += 1
             for job in current[0]:
@@ -300,10 +305,15 @@ class Batcher:
                         rows + len(self.queue[0].prompts) <= self.max_batch:
                     jobs.append(self.queue.popleft())
                     rows += len(jobs[-1].prompts)
+                self.batches[generation] = jobs
             self._score(jobs, generation)
+            with self.ready:
+                if self.batches.get(generation) is jobs:
+                    del self.batches[generation]
 
     def _call(self, jobs, generation):
-        """One call of the source over the jobs' rows -> (scores, metrics), None when abandoned meanwhile."""
+        """One call of the source over the jobs' rows -> (scores, metrics); _Abandoned when it was abandoned meanwhile
+        (its jobs are answered already)."""
         prompts = [p for job in jobs for p in job.prompts]
         responses = [r for job in jobs for r in job.responses]
         columns = {name: [v for job in jobs for v in job.columns[name]] for name in jobs[0].columns}
@@ -326,8 +336,8 @@ class Batcher:
         except Exception as e:
             if len(jobs) > 1:  # find whose rows failed: each request alone
                 for job in jobs:
-                    if generation != self.generation:
-                        return  # abandoned while it scored them: the new thread serves the queue; these are answered
+                    if generation != self.generation:  # abandoned on one of them: the rest went back to the queue
+                        return
                     self._score([job], generation)
                 return
             error = e if isinstance(e, RewardError) else \
