@@ -28,7 +28,7 @@ import tempfile
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .chat_template import compile_chat_template, render_chat_template
+from .chat_template import ChatTemplateError, compile_chat_template, render_chat_template
 from .model import CheckpointError, checkpoint_dir, read_json_object
 
 # the named special tokens transformers passes to a chat template (`special_tokens_map`)
@@ -45,7 +45,8 @@ class UnknownTextError(ValueError):
 class Tokenizer:
     """A thin wrapper that knows the special tokens and the chat template of its checkpoint."""
 
-    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None, generation_config=None, source=None):
+    def __init__(self, tokenizer: _HFTokenizer, config: dict, chat_template=None, generation_config=None,
+                 template_origins=None, source=None):
         self.backend = tokenizer
         self.source = source or "tokenizer.json"  # the file read, which an error names
         self.config = config
@@ -66,6 +67,8 @@ class Tokenizer:
         self.chat_template = chat_template if chat_template is not None else config.get("chat_template")
         if isinstance(self.chat_template, (list, tuple)):  # [{"name", "template"}] -> {name: template}
             self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
+        self.template_origins = template_origins or {}
+        """template text -> where it was read (a file, and its key), named when a render goes past its bounds."""
 
     @property
     def vocab_size(self):
@@ -135,7 +138,8 @@ class Tokenizer:
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
         texts = [render_chat_template(template, chat, add_generation_prompt=add_generation_prompt, tools=tools,
                                       documents=documents, continue_final_message=continue_final_message,
-                                      special_tokens=self.special_tokens_map, **template_kwargs)
+                                      special_tokens=self.special_tokens_map,
+                                      where=self.template_origins.get(template), **template_kwargs)
                  for chat in (messages if batched else [messages])]
         out = [self.encode(t) for t in texts] if tokenize else texts
         return out if batched else out[0]
@@ -255,7 +259,7 @@ def read_generation_config(path):
     return config
 
 
-def _read_template(file) -> str:
+def _read_template(file, origins) -> str:
     """A chat template file's text, compiled once here so that a file that is not UTF-8 or not a Jinja template is
     a CheckpointError naming it (and its line) when the tokenizer loads, not a traceback at the first render."""
     try:
@@ -263,18 +267,25 @@ def _read_template(file) -> str:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read {file} as UTF-8 text ({e})") from None
-    return _check_template(text, file)
+    return _check_template(text, file, origins)
 
 
-def _check_template(text, where) -> str:
+def _check_template(text, where, origins) -> str:
+    """The template compiled (which evaluates nothing in it: ppo_core/models/chat_template.py); origins[text] = where,
+    for the error of a render that goes past its bounds."""
     try:
         compile_chat_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise CheckpointError(f"{where}: not a valid Jinja chat template (line {e.lineno}: {e.message})") from None
+    except ChatTemplateError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: a chat template nested too deeply to compile") from None
+    origins[text] = where
     return text
 
 
-def _check_tokenizer_config(config: dict, file):
+def _check_tokenizer_config(config: dict, file, origins=None):
     """The entries of tokenizer_config.json (or special_tokens_map.json) that the Tokenizer reads: named special
     tokens as strings or {"content": string} dicts, the chat template a string or a list of {"name", "template"}."""
     for key in SPECIAL_TOKEN_NAMES:
@@ -283,14 +294,15 @@ def _check_tokenizer_config(config: dict, file):
             raise CheckpointError(f"{file}: '{key}' must be a token string or {{\"content\": string}}, got {value!r}")
     templates = config.get("chat_template")
     if isinstance(templates, str):
-        _check_template(templates, f"{file}: 'chat_template'")
+        _check_template(templates, f"{file}: 'chat_template'", origins if origins is not None else {})
     elif templates is not None:
         if not (isinstance(templates, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                                     and isinstance(t.get("template"), str) for t in templates)):
             raise CheckpointError(f"{file}: 'chat_template' must be a string or a list of "
                                   f"{{\"name\", \"template\"}} strings")
         for t in templates:
-            _check_template(t["template"], f"{file}: chat_template {t['name']!r}")
+            _check_template(t["template"], f"{file}: chat_template {t['name']!r}",
+                            origins if origins is not None else {})
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -301,11 +313,11 @@ def load_tokenizer(path) -> Tokenizer:
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         raise FileNotFoundError(f"no tokenizer.json in {path!r}")
-    config = {}
+    config, origins = {}, {}
     cfg_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(cfg_file):
         config = read_json_object(cfg_file)
-        _check_tokenizer_config(config, cfg_file)
+        _check_tokenizer_config(config, cfg_file, origins)
     # legacy layout: special tokens in special_tokens_map.json (transformers reads it when the config has no
     # added_tokens_decoder; the config's own entries win)
     legacy = os.path.join(path, "special_tokens_map.json")
@@ -318,12 +330,12 @@ def load_tokenizer(path) -> Tokenizer:
     # chat_template.jinja and additional_chat_templates/NAME.jinja win over tokenizer_config.json
     templates = {}
     if os.path.isfile(os.path.join(path, "chat_template.jinja")):
-        templates["default"] = _read_template(os.path.join(path, "chat_template.jinja"))
+        templates["default"] = _read_template(os.path.join(path, "chat_template.jinja"), origins)
     extra_dir = os.path.join(path, "additional_chat_templates")
     if os.path.isdir(extra_dir):
         for name in sorted(os.listdir(extra_dir)):
             if name.endswith(".jinja"):
-                templates[name[: -len(".jinja")]] = _read_template(os.path.join(extra_dir, name))
+                templates[name[: -len(".jinja")]] = _read_template(os.path.join(extra_dir, name), origins)
     chat_template = None
     if templates:
         chat_template = templates["default"] if list(templates) == ["default"] else templates
@@ -332,4 +344,4 @@ def load_tokenizer(path) -> Tokenizer:
     except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
         reason = " ".join(str(e).split())[:200]
         raise CheckpointError(f"{tok_file}: not a tokenizer the tokenizers library can read ({reason})") from None
-    return Tokenizer(backend, config, chat_template, read_generation_config(path), source=tok_file)
+    return Tokenizer(backend, config, chat_template, read_generation_config(path), origins, source=tok_file)

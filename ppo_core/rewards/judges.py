@@ -38,8 +38,8 @@ from functools import lru_cache
 import jinja2
 import jinja2.meta
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..models.chat_template import ChatTemplateError, bounded_environment, render_bounded
 from .interface import RewardError
 from .verifiers import extract_boxed, parse_number
 
@@ -58,9 +58,10 @@ class JudgeError(RewardError):
 # ---------------------------------------------------------------------------------------------------- templates
 
 @lru_cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    # StrictUndefined: a misspelt variable is an error, not an empty string in the judge's prompt
-    return ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
+def _environment() -> jinja2.Environment:
+    # StrictUndefined: a misspelt variable is an error, not an empty string in the judge's prompt. A judge checkpoint's
+    # template is bounded as a chat template is (ppo_core/models/chat_template.py): it cannot take the machine
+    return bounded_environment(undefined=jinja2.StrictUndefined)
 
 
 @lru_cache
@@ -84,7 +85,9 @@ def render_judge_prompt(template: str, **variables) -> str:
     response_a=..., response_b=..., and any prompt column). JudgeError when it fails (a variable it reads is not
     given, a filter or `raise_exception` fails), naming the error."""
     try:
-        return compile_judge_template(template).render(**variables)
+        return render_bounded(compile_judge_template(template), variables, what="the judge template")
+    except ChatTemplateError as e:
+        raise JudgeError(str(e)) from None
     except jinja2.TemplateError as e:
         raise JudgeError(f"judge template does not render: {type(e).__name__}: {e}") from None
 

@@ -20,8 +20,18 @@ Who may score, and how much (anyone who reaches the port could otherwise score o
                          $PPO_REWARD_API_KEY. Empty = no key; listening on anything but loopback without one prints a
                          warning line.
     --max_body_mb 128    a request whose Content-Length is larger is 413, its body never read; a missing Content-Length
-                         is 411, a negative or non-integer one 400.
+                         is 411, a negative or non-integer one (ASCII digits only) 400.
+    --max_values 1048576 a request whose JSON holds more values (strings, numbers, lists, ...) is 413, counted on its
+                         bytes before it is decoded: decoded JSON costs up to ~20x its text (`[],` is 3 bytes, a list
+                         64), so the byte cap alone let 114 MB of `[],` become 3.4 GB.
+    --max_pending_mb 512 the requests being read, decoded, queued or scored together hold at most this much, each
+                         counted as its Content-Length + 96 bytes for every value it may hold (at most one per 2
+                         bytes, at most --max_values); a request waits for room up to --timeout_s, then is 503.
     --max_rows 16384     a request of more rows is 413 (it would hold the scorer, and every request behind it).
+    --score_timeout_s 60 a call of the reward source running longer is abandoned: its requests are answered 504
+                         (a reward error for the trainer), and a fresh scoring thread serves the queue. A Python
+                         thread cannot be killed, so the hung call keeps its thread (and whatever it holds) until it
+                         returns; with 4 such calls still running, every request is 503 (restart the server).
     --timeout_s 60       a connection must deliver each request, line, headers and body, within this many seconds of
                          the request's start (or of the previous answer on a kept-alive connection), else it is closed
                          (408 when the body was late).
@@ -52,17 +62,20 @@ Errors, each a JSON object {"error": "<one line>"}; the server keeps serving:
     400  not JSON (nested too deeply or a number too long to read included), not an object, a missing or malformed
          field, lists of different lengths, a column the reward needs and the request lacks, a bad Content-Length;
     401  no key, or the wrong one; 408  the body came too slowly; 411  no Content-Length;
-    413  over --max_body_mb or --max_rows; 503  over --max_connections;
+    413  over --max_body_mb, --max_values or --max_rows; 503  over --max_connections or --max_pending_mb;
     500  the reward source failed on the request, or returned a score that is not finite:
-         {"error": "<the RewardError line>", "reward_error": true}.
-GET /health (+ key) -> 200 {"status": "ok", "source": "<what scores>", "requests": n, "batches": m, "rows": r}: requests
-answered, calls of the source, rows scored, since start.
+         {"error": "<the RewardError line>", "reward_error": true};
+    504  the reward source's call took longer than --score_timeout_s ("reward_error": true: retrying would hang again);
+    503  with "reward_error": true: 4 abandoned calls of the source are still running.
+GET /health (+ key) -> 200 {"status": "ok", "source": "<what scores>", "requests": n, "batches": m, "rows": r,
+"hung": h}: requests answered, calls of the source, rows scored since start, abandoned calls still running.
 
 Batching: request threads queue their rows; one scoring thread (a reward model is not thread-safe, and one call
 over many rows uses the accelerator better) takes the queued requests in arrival order, as many as fit in
 max_batch rows and share the same column names, and scores them in ONE call of the source; each request gets its
 own rows back. A request larger than max_batch is scored alone. When a merged call fails, each of its requests is
-scored alone, so a bad request cannot fail the others.
+scored alone, so a bad request cannot fail the others. A scoring thread whose call passes --score_timeout_s is
+abandoned (the watch is kept by the requests waiting on it) and a new one takes the queue.
 """
 import base64
 import collections
@@ -88,14 +101,18 @@ from .source import make_reward_source
 from .interface import RewardError
 
 USAGE = """usage: ppo-serve-reward [--host H] [--port P] [--max_batch N] [--api_key KEY] [--max_body_mb M]
-                        [--max_rows R] [--timeout_s S] [--max_connections C] [--config FILE.toml] [--KEY=VALUE ...]
+                        [--max_values V] [--max_pending_mb P] [--max_rows R] [--timeout_s S] [--score_timeout_s S]
+                        [--max_connections C] [--config FILE.toml] [--KEY=VALUE ...]
 
 Serves the reward source that ppo-train would build from the same options (--task, --reward_fn, --reward_model, ...)
 over HTTP, with OpenRLHF's remote reward protocol (see ppo_core/rewards/server.py). Point ppo-train at it with
 --reward_url http://H:P."""
 # the server's own options, as text (the defaults: the module docstring); api_key defaults to $PPO_REWARD_API_KEY
 SERVER_OPTIONS = {"host": "127.0.0.1", "port": "8000", "max_batch": "256", "api_key": None, "max_body_mb": "128",
-                  "max_rows": "16384", "timeout_s": "60", "max_connections": "32"}
+                  "max_values": "1048576", "max_pending_mb": "512", "max_rows": "16384", "timeout_s": "60",
+                  "score_timeout_s": "60", "max_connections": "32"}
+BYTES_PER_VALUE = 96  # a decoded JSON value's worst cost: a list 56 bytes + its slot 8, a str 49 + its slot, ...
+MAX_HUNG = 4  # abandoned calls of the source still running, beyond which the server refuses to score
 
 
 class BadRequest(ValueError):
@@ -106,9 +123,32 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def parse_request(body: bytes, max_rows=None):
+def count_values(body: bytes, limit: int) -> int:
+    """How many JSON values (strings, numbers, lists, objects, ...) `body` holds at most, counted with bytes methods (C
+    speed) before anything is decoded: 1 + one per '[', '{', ',' and ':' outside strings. When the count over the
+    whole text is within `limit` it is the answer; else the strings are cut out first (escaped backslashes and
+    quotes removed, then the text split at quotes), and more than `limit` strings is the answer already."""
+    def structural(text):
+        return 1 + sum(text.count(c) for c in (b"[", b"{", b",", b":"))
+
+    n = structural(body)
+    if n <= limit:
+        return n
+    bare = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # every quote left opens or closes a string
+    strings = bare.count(b'"') // 2
+    if strings > limit:
+        return strings
+    return structural(b"".join(bare.split(b'"')[::2]))  # the even pieces lie outside strings
+
+
+def parse_request(body: bytes, max_rows=None, max_values=None):
     """A request body -> (prompts [B str], responses [B str], columns {name: [B values]}). Raises BadRequest (413
-    for more than max_rows rows)."""
+    for more than max_rows rows, or more than max_values JSON values, counted before decoding)."""
+    if max_values is not None:
+        values = count_values(body, max_values)
+        if values > max_values:
+            raise BadRequest(f"the request holds more JSON values (strings, numbers, lists, ...) than this server's "
+                             f"--max_values {max_values}: send smaller requests (more URLs, or a smaller batch)", 413)
     try:
         request = json.loads(body)
     except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a number over 4300 digits, nested too deeply
@@ -178,6 +218,15 @@ def as_lists(scores, metrics, B):
     return scores, out
 
 
+class ScoringTimeout(RewardError):
+    """A call of the reward source that passed --score_timeout_s, or the server refusing to score after MAX_HUNG of
+    them: HTTP `status` (504, or 503)."""
+
+    def __init__(self, message, status=504):
+        super().__init__(message)
+        self.status = status
+
+
 class Job:
     """One request's rows waiting to be scored; `done` is set when `result` or `error` is."""
 
@@ -187,49 +236,109 @@ class Job:
 
 
 class Batcher:
-    """The scoring thread: requests queued together are scored in one call of the source (see the module docstring)."""
+    """The scoring thread: requests queued together are scored in one call of the source (see the module docstring).
+    A call running past score_timeout_s is abandoned: its requests get a ScoringTimeout, the thread is left to finish
+    (a Python thread cannot be stopped) and its answer dropped, and a new scoring thread takes the queue."""
 
-    def __init__(self, source, max_batch, autocast=contextlib.nullcontext):
+    def __init__(self, source, max_batch, autocast=contextlib.nullcontext, score_timeout_s=60.0):
         self.source, self.max_batch, self.autocast = source, max_batch, autocast
+        self.score_timeout_s = score_timeout_s
         self.queue, self.ready = collections.deque(), threading.Condition()
-        self.counts = {"requests": 0, "batches": 0, "rows": 0}
-        threading.Thread(target=self._serve, name="scorer", daemon=True).start()
+        self.counts = {"requests": 0, "batches": 0, "rows": 0, "hung": 0}
+        self.calls = {}  # scoring thread's generation -> (its jobs, when its current call began), while it scores
+        self.batches = {}  # scoring thread's generation -> the jobs it took from the queue, until it is done with them
+        self.generation = 0  # the scoring thread that takes the queue; older ones are abandoned
+        self._start_scorer()
+
+    def _start_scorer(self):
+        threading.Thread(target=self._serve, args=(self.generation,), name=f"scorer-{self.generation}",
+                         daemon=True).start()
 
     def score(self, prompts, responses, columns):
-        """Block until the rows are scored -> (list of B floats, {name: list of B}). Raises RewardError."""
+        """Block until the rows are scored -> (list of B floats, {name: list of B}). Raises RewardError
+        (ScoringTimeout when the call scoring them ran past score_timeout_s)."""
+        if self.counts["hung"] >= MAX_HUNG:
+            raise ScoringTimeout(f"the reward source has hung in {self.counts['hung']} calls (each over "
+                                 f"--score_timeout_s {self.score_timeout_s:g}) that are still running; this server "
+                                 f"scores no more: fix the reward and restart it", 503)
         job = Job(prompts, responses, columns)
         with self.ready:
             self.queue.append(job)
             self.ready.notify()
-        job.done.wait()
+        while not job.done.wait(min(0.25, self.score_timeout_s / 4)):
+            self._abandon_if_hung()
         if job.error is not None:
             raise job.error
         return job.result
 
-    def _serve(self):
+    def _abandon_if_hung(self):
+        """Run by every waiting request: the current call past its deadline fails its jobs, and a new thread scores."""
+        with self.ready:
+            current = self.calls.get(self.generation)
+            if current is None or time.monotonic() - current[1] <= self.score_timeout_s:
+                return
+            del self.calls[self.generation]
+            # the rest of its batch (a failed merged call's requests, scored one by one) goes back to the queue
+            rest = [job for job in self.batches.pop(self.generation, []) if job not in current[0]
+                    and not job.done.is_set()]
+            self.queue.extendleft(reversed(rest))
+            self.generation += 1
+            self.counts["hung"] += 1
+            for job in current[0]:
+                job.error = ScoringTimeout(f"the reward source did not answer within --score_timeout_s "
+                                           f"{self.score_timeout_s:g} (scoring {len(job.prompts)} rows); the call was "
+                                           f"abandoned and the server scores the requests behind it")
+                self.counts["requests"] += 1
+                job.done.set()
+            self._start_scorer()
+
+    def _serve(self, generation):
         while True:
             with self.ready:
-                while not self.queue:
-                    self.ready.wait()
+                while not self.queue and generation == self.generation:
+                    self.ready.wait(1.0)
+                if generation != self.generation:  # abandoned while its call hung; the call has returned now
+                    return
                 jobs = [self.queue.popleft()]
                 rows, names = len(jobs[0].prompts), set(jobs[0].columns)
                 while self.queue and set(self.queue[0].columns) == names and \
                         rows + len(self.queue[0].prompts) <= self.max_batch:
                     jobs.append(self.queue.popleft())
                     rows += len(jobs[-1].prompts)
-            self._score(jobs)
+                self.batches[generation] = jobs
+            self._score(jobs, generation)
+            with self.ready:
+                if self.batches.get(generation) is jobs:
+                    del self.batches[generation]
 
-    def _score(self, jobs):
+    def _call(self, jobs, generation):
+        """One call of the source over the jobs' rows -> (scores, metrics); _Abandoned when it was abandoned meanwhile
+        (its jobs are answered already)."""
         prompts = [p for job in jobs for p in job.prompts]
         responses = [r for job in jobs for r in job.responses]
         columns = {name: [v for job in jobs for v in job.columns[name]] for name in jobs[0].columns}
+        with self.ready:
+            self.calls[generation] = jobs, time.monotonic()
         try:
             with torch.no_grad(), self.autocast():  # the trainer's autocast: the scores ppo-train would compute
-                scores, metrics = as_lists(*self.source(prompts, responses, columns or None), len(prompts))
+                return as_lists(*self.source(prompts, responses, columns or None), len(prompts))
+        finally:
+            with self.ready:
+                if self.calls.pop(generation, None) is None:  # abandoned: its jobs are answered already
+                    self.counts["hung"] -= 1
+                    raise _Abandoned
+
+    def _score(self, jobs, generation):
+        try:
+            scores, metrics = self._call(jobs, generation)
+        except _Abandoned:
+            return
         except Exception as e:
             if len(jobs) > 1:  # find whose rows failed: each request alone
                 for job in jobs:
-                    self._score([job])
+                    if generation != self.generation:  # abandoned on one of them: the rest went back to the queue
+                        return
+                    self._score([job], generation)
                 return
             error = e if isinstance(e, RewardError) else \
                 RewardError(f"the reward source raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
@@ -238,7 +347,7 @@ class Batcher:
             jobs[0].done.set()
             return
         self.counts["batches"] += 1
-        self.counts["rows"] += len(prompts)
+        self.counts["rows"] += len(scores)
         lo = 0
         for job in jobs:
             hi = lo + len(job.prompts)
@@ -246,6 +355,33 @@ class Batcher:
             lo = hi
             self.counts["requests"] += 1
             job.done.set()
+
+
+class _Abandoned(Exception):
+    """Raised out of a call of the source that returned after it was abandoned (its answer is dropped)."""
+
+
+class Budget:
+    """Bytes that the requests in flight (read, decoded, queued, scored) may hold together (--max_pending_mb)."""
+
+    def __init__(self, total):
+        self.total, self.left, self.changed = total, total, threading.Condition()
+
+    def take(self, n, deadline) -> int:
+        """Wait until n bytes (at most the whole budget) are free and take them -> the bytes taken (0: the deadline
+        passed first)."""
+        n = min(n, self.total)
+        with self.changed:
+            while self.left < n:
+                if not self.changed.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                    return 0
+            self.left -= n
+        return n
+
+    def give(self, n):
+        with self.changed:
+            self.left += n
+            self.changed.notify_all()
 
 
 def describe(cfg) -> str:
@@ -317,8 +453,10 @@ def authorized(header, api_key) -> bool:
     return hmac.compare_digest(value.strip().encode(), api_key.encode())
 
 
-def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, max_rows=16384, timeout_s=60.0):
+def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, max_rows=16384, timeout_s=60.0,
+                 max_values=1 << 20, budget=None):
     """The request handler: the limits of the module docstring, checked from the headers before a body is read."""
+    budget = budget or Budget(4 * max_body_bytes)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one connection
@@ -354,7 +492,7 @@ def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, ma
             text = self.headers.get("Content-Length")
             if text is None:
                 return 411, {"error": "a request needs a Content-Length"}
-            if not text.strip().isdigit():
+            if not (text.strip().isascii() and text.strip().isdigit()):  # int() would read '٣' or '３' too
                 return 400, {"error": f"Content-Length must be a non-negative integer, got {text[:40]!r}"}
             if int(text) > max_body_bytes:
                 return 413, {"error": f"the request holds {int(text)} bytes, more than this server's --max_body_mb "
@@ -376,13 +514,27 @@ def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, ma
             if refusal:  # the body is left unread, so the connection cannot carry another request
                 self._reply(*refusal)
                 return
+            length = int(self.headers["Content-Length"])
+            # what this request may hold once decoded: its bytes, and a value's worth for every 2 of them at most
+            held = budget.take(length + BYTES_PER_VALUE * min(max_values, length // 2), self.reader.deadline)
+            if not held:
+                self._reply(503, {"error": f"the reward server holds --max_pending_mb "
+                                           f"{round(budget.total / 2**20, 3):g} of requests; try again"})
+                return
             try:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
+                self._score(length)
+            finally:
+                budget.give(held)
+
+        def _score(self, length):
+            try:
+                body = self.rfile.read(length)
             except TimeoutError:
                 self._reply(408, {"error": f"the request's body did not arrive within --timeout_s {timeout_s:g}"})
                 return
             try:
-                prompts, responses, columns = parse_request(body, max_rows)
+                prompts, responses, columns = parse_request(body, max_rows, max_values)
+                del body
                 source.check_columns(list(columns))
             except BadRequest as e:
                 self._reply(e.status, {"error": " ".join(str(e).split())})
@@ -392,6 +544,9 @@ def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, ma
                 return
             try:
                 scores, metrics = batcher.score(prompts, responses, columns)
+            except ScoringTimeout as e:
+                self._reply(e.status, {"error": " ".join(str(e).split()), "reward_error": True})
+                return
             except RewardError as e:
                 self._reply(500, {"error": " ".join(str(e).split()), "reward_error": True})
                 return
@@ -423,8 +578,8 @@ def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, ma
 
 
 def split_server_options(argv, environ=os.environ):
-    """(the server's own options {host, port, max_batch, api_key, max_body_mb, max_rows, timeout_s, max_connections},
-    the rest of argv for config.parse_cli)."""
+    """(the server's own options {host, port, max_batch, api_key, max_body_mb, max_values, max_pending_mb, max_rows,
+    timeout_s, score_timeout_s, max_connections}, the rest of argv for config.parse_cli)."""
     own, rest, i = dict(SERVER_OPTIONS), [], 0
     while i < len(argv):
         key, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
@@ -443,8 +598,11 @@ def split_server_options(argv, environ=os.environ):
     for key, kind, ok, rule in [("port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]"),
                                 ("max_batch", int, lambda v: v >= 1, ">= 1"),
                                 ("max_body_mb", float, lambda v: 0 < v < math.inf, "> 0"),
+                                ("max_values", int, lambda v: v >= 1, ">= 1"),
+                                ("max_pending_mb", float, lambda v: 0 < v < math.inf, "> 0"),
                                 ("max_rows", int, lambda v: v >= 1, ">= 1"),
                                 ("timeout_s", float, lambda v: 0 < v < math.inf, "> 0"),
+                                ("score_timeout_s", float, lambda v: 0 < v < math.inf, "> 0"),
                                 ("max_connections", int, lambda v: v >= 1, ">= 1")]:
         try:
             options[key] = kind(own[key])
@@ -467,9 +625,13 @@ def is_loopback(host) -> bool:
 
 def make_server(source, name, options, autocast=contextlib.nullcontext):
     """The server (not yet serving) of a reward source under the options of split_server_options."""
-    batcher = Batcher(source, options["max_batch"], autocast)
+    defaults = {key: float(value) for key, value in SERVER_OPTIONS.items() if key in ("max_values", "max_pending_mb",
+                                                                                    "score_timeout_s")}
+    options = {**defaults, **options}
+    batcher = Batcher(source, options["max_batch"], autocast, options["score_timeout_s"])
     handler = make_handler(source, batcher, name, options["api_key"], int(options["max_body_mb"] * 2**20),
-                           options["max_rows"], options["timeout_s"])
+                           options["max_rows"], options["timeout_s"], int(options["max_values"]),
+                           Budget(int(options["max_pending_mb"] * 2**20)))
     return Server((options["host"], options["port"]), handler, options["max_connections"])
 
 
