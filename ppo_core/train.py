@@ -8,7 +8,9 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
   1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
                filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)       ppo_core.rollout
                (with an environment: multi-turn episodes; with max_staleness=1, the rollout sampled one update
-               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker)
+               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker;
+               with replay_rollouts, 1-2 read from a recorded run, save_rollouts records them: replayed_rollout,
+               record_rollout, ppo_core.run.recording)
   2. score:    the reward function or model gives one scalar per response                   ppo_core.rewards.source
   3. forward:  old log-probs and entropy (policy), reference log-probs, the teacher's (on-policy distillation, if
                any), values (critic, if any), all with the training code path, so the first minibatch's ratio is 1
@@ -273,8 +275,12 @@ def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teach
     off_policy/behav_gap_mean and _max: |log pi_old - log mu| per token, this run's policy against the recorded
     sampler (0 for the recorded run's own config; with an off_policy_correction the update reports them)."""
     state = replay.read(it + 1)
-    sampled, group, stats = sampled_from_state(state["sampled"], device)
-    recorded = {name: t.to(device) for name, t in state["sampler"].items()}  # [B, R] the recording's old, entropy
+    try:
+        sampled, group, stats = sampled_from_state(state["sampled"], device)
+        recorded = {name: state["sampler"][name].to(device) for name in ("old_logprobs", "entropy")}  # [B, R]
+    except (KeyError, TypeError, AttributeError) as e:  # a step-N.json edited by hand
+        raise ConfigError(f"config key 'replay_rollouts': {replay.path}'s iteration {it + 1} is not a recorded "
+                          f"rollout ({type(e).__name__}: {e})") from None
     mu = sampled.decode_logprobs if sampled.decode_logprobs is not None else recorded["old_logprobs"]
     if records_decode_logprobs(cfg) and sampled.decode_logprobs is None:
         sampled.decode_logprobs, sampled.decode_entropy = mu, recorded["entropy"]

@@ -26,10 +26,10 @@ from ppo_core.train import DEMO_CHECKPOINT, main
 WALL_CLOCK = ("time/", "tokens_per_s")
 
 
-def tiny(iterations=3):
+def tiny(iterations=3, max_new_tokens=8):
     return [f"--iterations={iterations}", "--save_every=1", "--keep_checkpoints=3", "--eval_size=8",
             "--rollout_batch_size=4", "--n_samples_per_prompt=2", "--minibatch_size=8", "--micro_batch_size=8",
-            "--max_new_tokens=8", "--progress=false"]
+            f"--max_new_tokens={max_new_tokens}", "--progress=false"]
 
 
 def metrics(run_dir):
@@ -264,6 +264,45 @@ def test_a_recording_that_does_not_fit_is_refused_in_one_line(recorded, tmp_path
     assert line.startswith("ppo-train: error: config key 'replay_rollouts': ") and expect in line, line
     assert snapshot(source) == before
     assert not out.exists()
+
+
+def test_a_step_edited_by_hand_stops_the_replay_in_one_line_keeping_what_it_saved(recorded, tmp_path, capsys):
+    """step-2.json's tensors still match its SHA-256, but its state no longer holds a rollout: found when the replay
+    reaches it (the start checks the tensors' hashes, not the meaning of the JSON); step-1's checkpoint stays."""
+    source = tmp_path / "recording"
+    shutil.copytree(recorded[0], source)
+    step = source / "rollouts" / "step-2.json"
+    record = json.loads(step.read_text())
+    del record["state"]["sampled"]["rows"]
+    step.write_text(json.dumps(record))
+    out = tmp_path / "out"
+    assert main([*tiny(), f"--replay_rollouts={source}", f"--out={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (f"ppo-train: error: config key 'replay_rollouts': {source}'s iteration 2 is not a "
+                                    f"recorded rollout (KeyError: 'rows')")
+    assert weights(out, 1) == weights(recorded[0], 1)
+
+
+@pytest.mark.parametrize("mode, max_new_tokens, kept", [
+    (["--adv_estimator=grpo", "--filter_groups"], 8, None),
+    (["--off_policy_correction=tis"], 8, "decode_logprobs"),
+    (["--task=toolmul", "--environment=tools", "--max_turns=2"], 48, "attended"),
+], ids=["dapo-filter", "decode-logprobs", "episodes"])
+def test_a_replay_reproduces_the_recording_in_other_modes(tmp_path, mode, max_new_tokens, kept):
+    """DAPO's group filter (the rollout chosen from several batches), the decoding pass's log-probs recorded (an
+    off-policy correction reads them as mu), multi-turn episodes (observation tokens: `attended`)."""
+    args = [*tiny(2, max_new_tokens), *mode]
+    assert main([*args, "--save_rollouts", f"--out={tmp_path / 'a'}"]) == 0
+    if kept:
+        assert f"sampled.tensors.{kept}.values" in load_file(tmp_path / "a" / "rollouts" / "step-1.safetensors")
+    assert main([*args, f"--replay_rollouts={tmp_path / 'a'}", f"--out={tmp_path / 'b'}"]) == 0
+    assert weights(tmp_path / "b", 2) == weights(tmp_path / "a", 2)
+    replayed = metrics(tmp_path / "b")
+    if kept == "decode_logprobs":  # mu is the decoding pass's: off the training path by rounding only
+        assert 0 < replayed[0]["off_policy/behav_gap_max"] < 1e-5
+    else:
+        assert all(m["off_policy/behav_gap_max"] == 0.0 for m in replayed)
 
 
 def test_replay_with_sampling_or_more_processes_is_refused_by_the_config(tmp_path):

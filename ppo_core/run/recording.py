@@ -36,9 +36,12 @@ FORMAT = 1
 REPLAY_SHAPE = ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens")
 # a checkpoint's files that make its weights, and those that make its tokenizer (hashed where present)
 WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
-# config keys that do not change the weights a replay trains: where things are written, when, evaluated, how fast
+# config keys that do not change the weights a replay trains: where things are written, when, evaluated, how fast,
+# and how the recording was sampled (a replay samples nothing)
 NOT_TRAINED = ("policy", "save_rollouts", "replay_rollouts", "save_every", "keep_checkpoints", "stop_grace_s",
-               "threads", "eval_size", "eval_every", "eval_reward_fn", "eval_prompts_file")
+               "threads", "eval_size", "eval_every", "eval_reward_fn", "eval_prompts_file", "max_staleness",
+               "rollout_engine", "rollout_kv_cache_gb", "cuda_graph", "top_p", "top_k", "allow_filtered_sampling",
+               "filter_groups", "filter_groups_max_batches")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -177,7 +180,11 @@ class Recording:
             if isinstance(obj, list):
                 return [join(v) for v in obj]
             return obj
-        return join(record["state"])
+        state = join(record["state"])
+        if not (isinstance(state, dict) and isinstance(state.get("sampled"), dict)
+                and isinstance(state.get("sampler"), dict)):
+            raise refused(f"{json_file} holds no recorded rollout (its state lacks 'sampled' or 'sampler')")
+        return state
 
     def _record(self, step) -> dict:
         """step-N.json, parsed, with its safetensors file matching the size and SHA-256 it names."""
