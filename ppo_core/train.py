@@ -298,7 +298,7 @@ def record_rollout(log, run_dir, it, rollout, stats, first=False):
     """cfg.save_rollouts: iteration it's rollout to RUN_DIR/rollouts/step-{it+1} (ppo_core.run.recording): what the
     sampler and the reward produced (sampled_state: prompt rows, token ids, masks, scores, reward components, the
     decoding pass's log-probs when kept), its statistics, and the sampler's log-probs and entropy on the training
-    path (the rollout's old ones: the sampling policy's, but with max_staleness=1, whose are one update newer).
+    path (the rollout's old ones: the sampling policy's own, but with max_staleness=1 one update newer).
     first: the first this process writes, whose measured size the log says."""
     state = {"sampled": sampled_state(rollout.sampled, rollout.group, dict(stats), lists=False),
              "sampler": {"old_logprobs": rollout.old_logprobs, "entropy": rollout.entropy}}

@@ -69,9 +69,11 @@ def files_sha256(directory, names) -> str:
 
 
 def checkpoint_identity(policy_path) -> dict:
-    """{"weights_sha256", "tokenizer_sha256"} of a checkpoint directory: its weights (config, every top-level
-    *.safetensors file) and its tokenizer, hashed apart so that a refusal can say which differs."""
-    weights = [n for n in os.listdir(policy_path) if n.endswith(".safetensors")] + list(WEIGHT_FILES)
+    """{"weights_sha256", "tokenizer_sha256"} of a checkpoint directory: its weights (config, model*.safetensors: one
+    file or HF's shards; not a ppo-core step's optimizer or RNG files) and its tokenizer, hashed apart so that a
+    refusal can say which differs. Reads every weight file: seconds for a model of a few GB."""
+    weights = [n for n in os.listdir(policy_path) if n.startswith("model") and n.endswith(".safetensors")]
+    weights += list(WEIGHT_FILES)
     return {"weights_sha256": files_sha256(policy_path, weights),
             "tokenizer_sha256": files_sha256(policy_path, TOKENIZER_FILES)}
 
