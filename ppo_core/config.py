@@ -312,6 +312,17 @@ class PPOConfig:
     """Write a full training checkpoint (policy, critic, optimizers, RNGs) every this many iterations (0 = only at the end)."""
     keep_checkpoints: int = 2
     """Keep the newest this many checkpoints (the final one is always kept)."""
+    save_rollouts: bool = False
+    """Record every iteration's rollout in RUN_DIR/rollouts (ppo_core.run.recording: the prompt rows, token ids,
+    masks, scores and reward components, the sampler's log-probs; safetensors + JSON), for replay_rollouts. The log's
+    first lines give its size per iteration. One process (docs/replay.md)."""
+    replay_rollouts: str = ""
+    """A run directory recorded with save_rollouts: train on its rollouts, iteration for iteration, instead of
+    sampling. Old and reference log-probs, values and advantages are recomputed with this run's policy and config;
+    the same config reproduces the recorded run's weights bit for bit, another loss or estimator trains on the same
+    data (off-policy after the first iteration: metrics off_policy/behav_gap_*). Refused unless it was recorded from
+    the same checkpoint, tokenizer, rollout_batch_size, n_samples_per_prompt and max_new_tokens and holds `iterations`
+    iterations. Empty = sample. One process (docs/replay.md)."""
     max_skipped_updates: int = 3
     """Stop the run after this many consecutive updates with a non-finite loss or gradient (each is skipped)."""
     stop_grace_s: float = 20.0
@@ -400,7 +411,7 @@ class PPOConfig:
 
 FIELDS = {f.name: f for f in fields(PPOConfig)}
 PATH_FIELDS = ("policy", "reference", "teacher", "critic", "reward_model", "judge", "prompts_file", "eval_prompts_file",
-               "out")
+               "replay_rollouts", "out")
 DTYPES = ("auto", "float32", "bf16-mixed", "bfloat16")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -732,6 +743,14 @@ def _problems(cfg: PPOConfig) -> list[str]:
     need(cfg.off_policy_cap >= 1, "off_policy_cap", "must be >= 1")
     need(cfg.max_staleness in (0, 1), "max_staleness", "must be 0 or 1")
     need(cfg.rollout_ranks >= 0, "rollout_ranks", "must be >= 0")
+    if cfg.replay_rollouts:  # the rollouts are read, not sampled: nothing here samples, nothing to record again
+        need(not cfg.save_rollouts, "save_rollouts", "does not combine with replay_rollouts (its rollouts are recorded "
+             "already)")
+        need(not cfg.max_staleness, "max_staleness", "does not combine with replay_rollouts (nothing is sampled, so "
+             "nothing is stale)")
+    for key in ("save_rollouts", "replay_rollouts"):
+        need(not (getattr(cfg, key) and cfg.rollout_ranks), key, "runs in one process, without rollout workers "
+             "(rollout_ranks; docs/replay.md)")
     need(0 < cfg.off_policy_band_low <= 1 <= cfg.off_policy_band_high, "off_policy_band_low",
          "and off_policy_band_high must satisfy 0 < low <= 1 <= high")
     need(cfg.off_policy_mask_level in ("token", "sequence"), "off_policy_mask_level", "must be token or sequence")

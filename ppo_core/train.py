@@ -8,7 +8,9 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
   1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
                filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)       ppo_core.rollout
                (with an environment: multi-turn episodes; with max_staleness=1, the rollout sampled one update
-               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker)
+               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker;
+               with replay_rollouts, 1-2 read from a recorded run, save_rollouts records them: replayed_rollout,
+               record_rollout, ppo_core.run.recording)
   2. score:    the reward function or model gives one scalar per response                   ppo_core.rewards.source
   3. forward:  old log-probs and entropy (policy), reference log-probs, the teacher's (on-policy distillation, if
                any), values (critic, if any), all with the training code path, so the first minibatch's ratio is 1
@@ -49,7 +51,7 @@ from . import algo
 from .run import checkpoint, plan
 from .models import lora
 from .run import distributed as dist
-from .run import rollout_worker, runlog, tracking
+from .run import recording, rollout_worker, runlog, tracking
 from .run.redact import forget_secrets, redact, remember_secrets
 from .run.rollout_worker import RolloutClient
 from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, to_dict, load_toml, parse_cli,
@@ -60,8 +62,9 @@ from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_
 from .rewards.remote import API_KEY_ENV, PROXY_AUTH_ENV, RewardUnavailable
 from .rewards.source import make_reward_source
 from .rewards.interface import RewardError
-from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, rollout_forward,
-                      sample_rows, sampled_from_state, sampled_state, state_lists, with_reference_responses)
+from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, records_decode_logprobs,
+                      rollout_forward, sample_rows, sampled_from_state, sampled_state, state_lists,
+                      with_reference_responses)
 from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
 from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
@@ -105,7 +108,11 @@ def run(cfg: PPOConfig, resume_from=None):
     longest = min(max(prompt_lengths, default=1), policy.args.max_position_embeddings - cfg.max_new_tokens)  # kept rows'
     check_batch(cfg, train_rows, longest, policy_path, world, device)  # the data and the memory hold it
     check_prompts(cfg, train_rows, held_out, reward_source, eval_source)
+    # a recording to train on (cfg.replay_rollouts), checked against this run: the checkpoint, tokenizer, shape, steps
+    replay = recording.open_recording(cfg.replay_rollouts, cfg, policy_path) if cfg.replay_rollouts else None
     run_dir, ckpt, log, tracker = open_run_dir(cfg, policy_path, resume_from, precision)
+    if cfg.save_rollouts:
+        recording.start_recording(run_dir.path, cfg, policy_path)
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the rollouts' sampling noise
@@ -131,6 +138,7 @@ def run(cfg: PPOConfig, resume_from=None):
         if overlong:
             log.info(f"prompts: {overlong} rows dropped (drop_overlong_prompts): longer than the model's context leaves "
                      f"for max_new_tokens={cfg.max_new_tokens}")
+        log_rollout_lines(log, cfg, run_dir, replay, longest)
         with ckpts.stopped_if_server_down("during the evaluation before training; nothing saved yet; start again "
                                           f"with: ppo-train --resume {run_dir.path}"):
             state["eval_before"], state["eval_before_greedy"] = evaluate_policy(), evaluate_policy(greedy=True)
@@ -149,7 +157,10 @@ def run(cfg: PPOConfig, resume_from=None):
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
-                if workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
+                if replay is not None:  # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
+                    rollout, ended, filter_stats = replayed_rollout(it, replay, policy, reference, critic, cfg,
+                                                                    autocast, teacher, device)
+                elif workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
                     share, worker_stats = workers.rollout(it, state)
                     sampled, group, filter_stats = sampled_from_state(share, device)
                     filter_stats.update(worker_stats)
@@ -163,6 +174,8 @@ def run(cfg: PPOConfig, resume_from=None):
                     rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
                                                                      reward_source, cfg, sample_gen, autocast,
                                                                      teacher=teacher)  # 1-3
+            if cfg.save_rollouts:  # what 1-2 produced, for a later --replay_rollouts (ppo_core.run.recording)
+                record_rollout(log, run_dir, it, rollout, filter_stats, first=it == start_iter)
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
             t_train = time.perf_counter()
@@ -255,6 +268,72 @@ def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, rewar
             dict(stats, **{"off_policy/staleness": staleness}))
 
 
+def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teacher, device):
+    """cfg.replay_rollouts: iteration it's rollout as the recorded run sampled and scored it (ppo_core.run.recording),
+    then step 3 with this run's models and config, as after sampling (rollout_forward): old and reference log-probs,
+    values. The recorded sampler's log-probs mu (its decoding pass's when it kept them, else its training path's
+    old log-probs) stand in for the decoding pass's where this config reads them (off_policy_correction,
+    old_logprobs_from_rollout). -> what iteration_rollout returns, the stats the recording's, with
+    off_policy/behav_gap_mean and _max: |log pi_old - log mu| per token, this run's policy against the recorded
+    sampler (0 for the recorded run's own config; with an off_policy_correction the update reports them)."""
+    state = replay.read(it + 1)
+    try:
+        sampled, group, stats = sampled_from_state(state["sampled"], device)
+        recorded = {name: state["sampler"][name].to(device) for name in ("old_logprobs", "entropy")}  # [B, R]
+    except (KeyError, TypeError, AttributeError) as e:  # a step-N.json edited by hand
+        raise ConfigError(f"config key 'replay_rollouts': {replay.path}'s iteration {it + 1} is not a recorded "
+                          f"rollout ({type(e).__name__}: {e})") from None
+    mu = sampled.decode_logprobs if sampled.decode_logprobs is not None else recorded["old_logprobs"]
+    if records_decode_logprobs(cfg) and sampled.decode_logprobs is None:
+        sampled.decode_logprobs, sampled.decode_entropy = mu, recorded["entropy"]
+    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
+    stats = {**stats, "time/generate_s": 0.0}  # nothing decoded
+    if cfg.off_policy_correction == "none":
+        mask = rollout.response_mask
+        gap = (rollout.old_logprobs - mu).abs() * mask  # [B, R] |log pi_old - log mu|
+        stats["off_policy/behav_gap_mean"] = algo.masked_mean(gap, mask).item()
+        stats["off_policy/behav_gap_max"] = gap.max().item()
+    return rollout, sampled.ended, stats
+
+
+def record_rollout(log, run_dir, it, rollout, stats, first=False):
+    """cfg.save_rollouts: iteration it's rollout to RUN_DIR/rollouts/step-{it+1} (ppo_core.run.recording): what the
+    sampler and the reward produced (sampled_state: prompt rows, token ids, masks, scores, reward components, the
+    decoding pass's log-probs when kept), its statistics, and the sampler's log-probs and entropy on the training
+    path (the rollout's old ones: the sampling policy's own, but with max_staleness=1 one update newer).
+    first: the first this process writes, whose measured size the log says."""
+    state = {"sampled": sampled_state(rollout.sampled, rollout.group, dict(stats), lists=False),
+             "sampler": {"old_logprobs": rollout.old_logprobs, "entropy": rollout.entropy}}
+    tensor_bytes, file_bytes = recording.write_rollout(run_dir.path, it + 1, state)
+    if first:
+        log.info(f"rollouts: iteration {it + 1} recorded in {recording.size_text(file_bytes)} (measured: tensors "
+                 f"{recording.size_text(tensor_bytes)}, the rest prompt rows, texts and JSON)")
+
+
+def log_rollout_lines(log, cfg: PPOConfig, run_dir, replay, longest_prompt):
+    """A new run's line on recorded rollouts: where they go and their size per iteration, computed from the shapes
+    (save_rollouts); or what is replayed and whether it is off-policy for this run (replay_rollouts)."""
+    if cfg.save_rollouts:
+        rows = rollout_rows(cfg)
+        per_iteration = recording.tensor_bytes_bound(rows, longest_prompt, cfg.max_new_tokens,
+                                                     records_decode_logprobs(cfg), bool(cfg.environment))
+        size = recording.size_text
+        log.info(f"rollouts: recording each iteration's to {recording.folder(run_dir.path)}: about "
+                 f"{size(per_iteration)} an iteration, {size(per_iteration * cfg.iterations)} for {cfg.iterations} "
+                 f"(tensors, computed from the shapes: {rows} rows x {longest_prompt} prompt tokens (the longest "
+                 f"held-out or training prompt) + {cfg.max_new_tokens} response tokens), + the prompt rows and texts "
+                 f"as JSON")
+    if replay is not None:
+        differ = recording.config_differences(replay, cfg)
+        what = ("the config is the recording's: its weights are reproduced bit for bit (same machine and precision)"
+                if not differ else
+                f"the config differs from the recording's in {', '.join(differ[:8])}: from iteration 2 on the recorded "
+                f"rollouts are off-policy for this run (off_policy/behav_gap_mean, _max: its log-probs against the "
+                f"recorded sampler's)")
+        log.info(f"rollouts: replaying the {replay.steps} iterations recorded in {replay.path} (nothing is sampled); "
+                 f"{what}")
+
+
 # ---------------------------------------------------------------------------- set-up
 
 def torch_threads(cfg: PPOConfig) -> int:
@@ -321,7 +400,8 @@ def path_problem(path, directory: bool):
 
 
 def check_process_count(cfg: PPOConfig, world):
-    """Every process holds an equal share of a rollout and of each minibatch."""
+    """Every process holds an equal share of a rollout and of each minibatch; recorded rollouts are one process's."""
+    recording.check_processes(cfg, world)
     if rollout_rows(cfg) % world or cfg.minibatch_size % world:
         raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
                           f"multiples of the number of processes ({world})")
