@@ -222,7 +222,8 @@ def evaluate_checkpoint(cfg, policy_path, n, ks, threshold, answer_way) -> dict:
     result = {"scores": scores(rewards, greedy_rewards, answers, threshold, ks), "prompts": len(held_out),
               "protocol": protocol(cfg, policy_path, n, ks, threshold, answer_way, precision, len(held_out))}
     result["rows"] = [{"prompt": row.get("prompt", row.get("messages")), "greedy": greedy_responses[i],
-                       "greedy_reward": greedy_rewards[i], "rewards": rewards[i], "answers": answers[i],
+                       "greedy_reward": greedy_rewards[i], "responses": responses[i], "rewards": rewards[i],
+                       "answers": answers[i],
                        "majority": None if (j := majority_answer(answers[i])) is None else answers[i][j]}
                       for i, row in enumerate(held_out)]
     return result
