@@ -157,7 +157,10 @@ def read_settings(argv):
     if "run" in own:
         if "config" in driver:
             raise EvalError("--run takes the run's own config (RUN_DIR/config.json); it cannot be combined with --config")
-        saved = runlog.RunDir.saved_config(own["run"])
+        try:
+            saved = runlog.RunDir.saved_config(own["run"])
+        except runlog.RunDirError as e:  # its message speaks of --resume, ppo-train's flag
+            raise EvalError(str(e).replace("--resume", "--run", 1)) from None
     elif "config" in driver:
         saved = load_toml(driver["config"])
     cfg = build_config(saved, overrides, driver.get("config", ""))
@@ -186,6 +189,8 @@ def read_settings(argv):
     out = own.get("out") or (os.path.join(own["run"], "eval.json") if "run" in own else "eval.json")
     if os.path.isdir(out):
         out = os.path.join(out, "eval.json")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):  # said now, not after the evaluation
+        raise EvalError(f"--out {out}: no such directory: {os.path.dirname(os.path.abspath(out))!r}")
     return cfg, policy, n, ks, threshold, answer, out
 
 

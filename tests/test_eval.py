@@ -216,11 +216,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ([f"--policy={tmp_path / 'nowhere'}"], "no such directory"),
         (["--task=arith", "--n=4", "--k=1,8"], "--k 8: pass@k needs 1 <= k <= n, and --n is 4"),
         (["--task=arith", "--n=0"], "--n must be at least 1"),
+        ([f"--run={tmp_path}"], f"--run: {tmp_path} holds no run (no config.json)"),
         (["--task=arith", f"--prompts_file={no_answer}", "--reward_fn=ppo_core.data.tasks:arith_answer_reward"],
          "needs column 'answer'"),
         (["--task=arith", "--answer=vote"], "--answer 'vote'"),
+        (["--task=arith", f"--out={tmp_path / 'no' / 'eval.json'}"], "no such directory"),
     ]:
-        proc = ppo_eval(*args, f"--out={out}", "--eval_size=4")
+        proc = ppo_eval(f"--out={out}", *args, "--eval_size=4")  # a later --out wins
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("ppo-eval: error: "), proc.stderr
         assert message in proc.stderr, (message, proc.stderr)
