@@ -147,6 +147,25 @@ def split_own_flags(argv):
     return own, rest
 
 
+def scoring_flags(own: dict):
+    """--n, --k, --threshold and --answer checked -> (n, sorted ks, threshold, answer way or "auto"); EvalError."""
+    try:
+        n = int(own.get("n", "8"))
+        ks = sorted({int(k) for k in own["k"].split(",")}) if "k" in own else sorted({1, n})
+        threshold = float(own.get("threshold", "1.0"))
+    except ValueError as e:
+        raise EvalError(f"--n, --k and --threshold take numbers: {e}") from None
+    if n < 1:
+        raise EvalError(f"--n must be at least 1 sample per prompt, got {n}")
+    if any(k < 1 or k > n for k in ks):
+        bad = next(k for k in ks if k < 1 or k > n)
+        raise EvalError(f"--k {bad}: pass@k needs 1 <= k <= n, and --n is {n} samples per prompt")
+    answer = own.get("answer", "auto")
+    if answer != "auto" and answer not in EXTRACTORS:
+        raise EvalError(f"--answer {answer!r}: choose from auto, {', '.join(EXTRACTORS)}")
+    return n, ks, threshold, answer
+
+
 def read_settings(argv):
     """-> (PPOConfig, checkpoint path, n, ks, threshold, answer way, eval.json path); EvalError / ConfigError."""
     own, rest = split_own_flags(argv)
@@ -169,23 +188,10 @@ def read_settings(argv):
         policy = checkpoint.latest_checkpoint(own["run"])
         if policy is None:
             raise EvalError(f"--run {own['run']}: the run has no checkpoint yet")
-    try:
-        n = int(own.get("n", "8"))
-        ks = sorted({int(k) for k in own["k"].split(",")}) if "k" in own else sorted({1, n})
-        threshold = float(own.get("threshold", "1.0"))
-    except ValueError as e:
-        raise EvalError(f"--n, --k and --threshold take numbers: {e}") from None
-    if n < 1:
-        raise EvalError(f"--n must be at least 1 sample per prompt, got {n}")
-    if any(k < 1 or k > n for k in ks):
-        bad = next(k for k in ks if k < 1 or k > n)
-        raise EvalError(f"--k {bad}: pass@k needs 1 <= k <= n, and --n is {n} samples per prompt")
-    answer = own.get("answer", "auto")
+    n, ks, threshold, answer = scoring_flags(own)
     if answer == "auto":
         answer = "text" if cfg.task == "reverse" and not (cfg.prompts_file or cfg.reward_fn or cfg.reward_model
                                                          or cfg.eval_reward_fn or cfg.judge or cfg.reward_url) else "final"
-    if answer not in EXTRACTORS:
-        raise EvalError(f"--answer {answer!r}: choose from auto, {', '.join(EXTRACTORS)}")
     out = own.get("out") or (os.path.join(own["run"], "eval.json") if "run" in own else "eval.json")
     if os.path.isdir(out):
         out = os.path.join(out, "eval.json")

@@ -163,6 +163,20 @@ def variant_name(settings) -> str:
     return " ".join([settings["adv_estimator"], *(f"{k}={v}" for k, v in settings.items() if k != "adv_estimator")])
 
 
+def check_eval_args(eval_args):
+    """--eval's ppo-eval flags checked before any run starts (ppo_core.evaluate's own checks); ArgumentError."""
+    from ppo_core import evaluate
+
+    try:
+        own, rest = evaluate.split_own_flags(shlex.split(eval_args))
+        if "run" in own or "out" in own:
+            raise evaluate.EvalError("compare.py gives ppo-eval --run RUN_DIR and its eval.json itself")
+        evaluate.scoring_flags(own)
+        parse_cli(rest)
+    except (ValueError, evaluate.EvalError, ConfigError) as e:
+        raise ArgumentError(f"--eval {eval_args!r}: {e}") from None
+
+
 def run_plan(args):
     """Check everything and return the runs, variant by variant, seed by seed: dicts with variant (its name), settings
     (its ppo-train settings, see variants), estimator, seed, n (responses per prompt), prompts, dir and cmd (the argv).
@@ -620,6 +634,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         args = parse_args(argv)
+        if args.eval is not None:
+            check_eval_args(args.eval)
         runs = collected_runs(args.from_runs) if args.from_runs else run_plan(args)
     except ArgumentError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)

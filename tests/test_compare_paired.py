@@ -157,3 +157,14 @@ def test_from_runs_gives_the_same_paired_report(loss_comparison, tmp_path):
     original = read_json(out / "compare.json")["estimators"]["grpo policy_loss_kind=ppo"]["intervals"]
     assert report["estimators"]["grpo"]["intervals"] == original  # eval.json's scores read back from the run dirs
     assert report["paired"] == []  # one variant: nothing to pair
+
+
+@pytest.mark.parametrize("eval_args, message", [("--n 2 --k 4", "--k 4: pass@k needs 1 <= k <= n"),
+                                                ("--run x", "gives ppo-eval --run RUN_DIR"),
+                                                ("--n 'two", "No closing quotation")])
+def test_bad_eval_args_start_nothing(tmp_path, eval_args, message):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, COMPARE, "--estimators", "grpo", "--seeds", "0", "--eval", eval_args,
+                           "--out", str(out), "--", *TINY], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stdout == "" and not out.exists()
