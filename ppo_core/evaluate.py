@@ -20,7 +20,6 @@ Sample j (0..n-1) of every prompt draws its noise with seed `seed + EVAL_SEED_OF
 score is ppo-train's own held-out number (the same code, ppo_core.rollout.evaluate_rows, and the same seed).
 """
 import datetime
-import json
 import math
 import os
 import statistics
@@ -175,7 +174,7 @@ def read_settings(argv):
     saved = {}
     if "run" in own:
         if "config" in driver:
-            raise EvalError("--run takes the run's own config (RUN_DIR/config.json); it cannot be combined with --config")
+            raise EvalError("--run takes the run's own config (RUN_DIR/config.json); it cannot go with --config")
         try:
             saved = runlog.RunDir.saved_config(own["run"])
         except runlog.RunDirError as e:  # its message speaks of --resume, ppo-train's flag
@@ -189,9 +188,9 @@ def read_settings(argv):
         if policy is None:
             raise EvalError(f"--run {own['run']}: the run has no checkpoint yet")
     n, ks, threshold, answer = scoring_flags(own)
-    if answer == "auto":
-        answer = "text" if cfg.task == "reverse" and not (cfg.prompts_file or cfg.reward_fn or cfg.reward_model
-                                                         or cfg.eval_reward_fn or cfg.judge or cfg.reward_url) else "final"
+    if answer == "auto":  # the reverse task's own reward reads the whole response; every other reads an answer
+        own_reward = cfg.prompts_file or cfg.reward_fn or cfg.reward_model or cfg.eval_reward_fn or cfg.judge
+        answer = "text" if cfg.task == "reverse" and not (own_reward or cfg.reward_url) else "final"
     out = own.get("out") or (os.path.join(own["run"], "eval.json") if "run" in own else "eval.json")
     if os.path.isdir(out):
         out = os.path.join(out, "eval.json")

@@ -41,7 +41,7 @@ Writes, in OUT:
                  then each score's mean and 95% interval per variant, and the paired differences per pair of variants
                  (held-out rewards after training; with --eval or an eval.json in each run directory, ppo-eval's
                  greedy accuracy, pass@k, maj@n, mean@n too)
-  compare.json   all those numbers (per variant, under "estimators" and with its "settings"; under "paired"; and per run)
+  compare.json   all those numbers (per variant under "estimators", with its "settings"; under "paired"; per run)
   compare.png    rollout reward and KL against iteration: the seed mean per variant and a min..max band over seeds
                  (needs matplotlib, `pip install -e ".[plot]"`; without it compare.md and compare.json are still written)
   logs/          each run's stdout and stderr
@@ -453,7 +453,8 @@ def interval(values) -> dict | None:
     if not values:
         return None
     mean = statistics.fmean(values)
-    half = t_quantile(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    n = len(values)
+    half = t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else 0.0
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(values)}
 
 
@@ -465,7 +466,7 @@ def seeds_to_resolve(difference: float, sd: float) -> int | None:
 
     if difference == 0 or not resolves(MAX_SEEDS):
         return None
-    lo, hi = 1, MAX_SEEDS  # resolves(hi); t_{m-1} / sqrt(m) falls with m, so the first m that resolves is found by halving
+    lo, hi = 1, MAX_SEEDS  # resolves(hi); t_{m-1} / sqrt(m) falls with m: the first m that resolves, by halving
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if resolves(mid) else (mid, hi)

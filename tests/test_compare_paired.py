@@ -54,7 +54,8 @@ def test_a_resolved_difference_by_hand():
     assert d["mean"] == pytest.approx(0.06, abs=1e-12)
     assert d["sd_paired"] == pytest.approx(math.sqrt(0.0003), abs=1e-12)
     assert d["se_paired"] == pytest.approx(0.01, abs=1e-12)
-    assert (d["lo"], d["hi"]) == (pytest.approx(0.06 - 0.04302653, abs=1e-8), pytest.approx(0.06 + 0.04302653, abs=1e-8))
+    assert d["lo"] == pytest.approx(0.06 - 0.04302653, abs=1e-8)
+    assert d["hi"] == pytest.approx(0.06 + 0.04302653, abs=1e-8)
     assert d["se_unpaired"] == pytest.approx(math.sqrt(0.0203 / 3), abs=1e-12)  # 8.2x the paired one
     assert d["resolved"] is True and d["seeds_to_resolve"] == 3
     assert compare_py.paired_difference(b, a)["mean"] == pytest.approx(-0.06, abs=1e-12)  # b - a, in that order
