@@ -17,7 +17,8 @@ Scores, each a mean over the prompts with its standard error over the prompts (s
   maj@n           whether the majority answer among the n samples is correct (majority_answer says how)
   mean@n          the mean reward of the n samples (equal to pass@1 for a 0/1 reward)
 Sample j (0..n-1) of every prompt draws its noise with seed `seed + EVAL_SEED_OFFSET + j`: with n = 1 the sampled
-score is ppo-train's own held-out number (the same code, ppo_core.rollout.evaluate_rows, and the same seed).
+score is ppo-train's own held-out number (the same code, ppo_core.rollout.evaluate_rows, and the same seed; ppo-train
+averages in float32, ppo-eval in float64).
 """
 import datetime
 import math
