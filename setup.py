@@ -52,6 +52,7 @@ setup(
     entry_points={
         "console_scripts": [
             "ppo-train=ppo_core.train:main",
+            "ppo-eval=ppo_core.evaluate:main",
             "ppo-plan=ppo_core.run.plan:main",
             "ppo-serve-reward=ppo_core.rewards.server:main",
         ],

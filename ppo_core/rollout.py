@@ -15,7 +15,7 @@ them (old, reference and teacher log-probs, entropy, values). The loop (ppo_core
              -> Rollout (padded ones of micro_batch_size rows, or packed ones of micro_batch_tokens tokens:
              ppo_core.data.packing); the update (ppo_core.update) runs the same heads, so the first minibatch's ratio
              is 1 up to the order of a log-sum-exp
-  evaluate:  the mean reward over held-out prompts
+  evaluate:  the mean reward over held-out prompts; evaluate_rows: each row's reward and response (ppo-eval)
   prompts:   prompt_token_ids, render_prompt, encode_prompts: the token ids the policy sees, left-padded;
              with_reference_responses for a pairwise judge
   sampling:  sample_and_score: sample_responses (the rollout engine, ppo_core.engine, or the padded ppo_core.generate),
@@ -181,23 +181,39 @@ class Rollout:
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
     """Mean reward over held-out prompt rows, sampling with the run's temperature (or greedily), under the
-    rollouts' autocast.
+    rollouts' autocast: the mean of evaluate_rows' scores.
 
     Each evaluation uses its own generator seeded from `seed`, so before and after see the same noise.
     Every process evaluates the same prompts (the held-out set is small)."""
+    scores, _ = evaluate_rows(policy, tokenizer, prompts, reward_source, cfg, seed, greedy, autocast)
+    return float(scores.mean())
+
+
+EVAL_SEED_OFFSET = 12345  # an evaluation's noise seed is the run's seed + this (+ j for ppo-eval's j-th sample)
+
+
+@torch.no_grad()
+def evaluate_rows(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=False, autocast=contextlib.nullcontext):
+    """One response per held-out prompt row and its reward: -> (scores [N] float32 on the reward's device, the N
+    responses' texts).
+    What ppo-train's evaluations (evaluate) and ppo-eval (ppo_core.evaluate) both read. The noise is a function of
+    (seed, the row's index within its batch of 256, token index) on the rollout engine."""
     policy.eval()
     generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
-    scores = []
+    scores, responses = [], []
     for rows in micro_batches(len(prompts), 256):
         batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.data.prompts)
         if cfg.environment:  # the episodes' rewards
             batch = [r if isinstance(r, dict) else {"prompt": r} for r in batch]
-            scores.append(play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None, greedy).scores)
+            played = play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None, greedy)
+            scores.append(played.scores)
+            responses += played.responses
             continue
         *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
         with autocast():
             scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])
-    return float(torch.cat(scores).mean())
+        responses += texts
+    return torch.cat(scores), responses
 
 
 # ---------------------------------------------------------------------------- prompts

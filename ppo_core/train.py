@@ -62,8 +62,8 @@ from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_
 from .rewards.remote import API_KEY_ENV, PROXY_AUTH_ENV, RewardUnavailable
 from .rewards.source import make_reward_source
 from .rewards.interface import RewardError
-from .rollout import (evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids, records_decode_logprobs,
-                      rollout_forward, sample_rows, sampled_from_state, sampled_state, state_lists,
+from .rollout import (EVAL_SEED_OFFSET, evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids,
+                      records_decode_logprobs, rollout_forward, sample_rows, sampled_from_state, sampled_state, state_lists,
                       with_reference_responses)
 from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
@@ -119,7 +119,7 @@ def run(cfg: PPOConfig, resume_from=None):
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
     opts = Optimizers(policy, critic, cfg, cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
     kl_ctl = kl_controller(cfg)
-    eval_seed = cfg.seed + 12345  # every evaluation samples with the same noise
+    eval_seed = cfg.seed + EVAL_SEED_OFFSET  # every evaluation samples with the same noise
     if needs_reference_responses(cfg) and eval_source is reward_source:  # the held-out rows' references, sampled once
         held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg, eval_seed + 1, autocast)
     def evaluate_policy(greedy=False):  # the mean reward over the held-out rows

@@ -5,6 +5,7 @@
     python scripts/compare.py --estimators grpo,dr_grpo --group_size 8 --jobs 4 --out runs/g -- --policy=DIR
     python scripts/compare.py --estimators grpo --vary policy_loss_kind=ppo,gspo --vary clip_high=0.2,0.28 --out runs/l
     python scripts/compare.py --estimators grpo --variant "" --variant dual_clip=3 --variant "policy_loss_kind=gspo clip_low=3e-4 clip_high=4e-4" --out runs/loss
+    python scripts/compare.py --estimators gae,grpo --seeds 0 1 2 3 --eval "--n 8 --k 1,8" --out runs/p   # + ppo-eval
 
 A VARIANT is an estimator and the settings (ppo-train config keys) that set it apart. `--vary KEY=V1,V2,...` (repeatable)
 crosses: every combination of one value per --vary key is a variant, for every estimator. `--variant "KEY=V KEY=V"`
@@ -18,6 +19,16 @@ Each run is `python -m ppo_core.train` in its own process, into OUT/<variant>-se
 --threads=1, at most --jobs of them at a time. Every run starts from the same policy checkpoint (ppo-train's default,
 the shipped demo, unless the extra args name another); the seed changes the sampling (and the task's prompts) only.
 
+Paired seeds: seed s of every variant gets the same --seed, and with it the same held-out prompts, the same training
+prompts in the same order, and the same sampling noise for the same (iteration, row): the engine draws a token's noise
+from a function of (seed, iteration, row, token index) alone (ppo_core.rollout.iteration_rollout, the engine's
+counter_uniforms). So seed s of variant A and seed s of variant B differ by the variant and by what it changed since;
+their first iteration's rollout is identical where the variant changes only the update (a loss, a clip range). Variants
+whose rollouts differ in shape (gae's 64 prompts x 1 against grpo's 16 x 4) share the held-out set and the prompt
+order, but their rows meet different noise. Per pair of variants compare.md gives the difference seed by seed: its
+95% interval (paired t), "resolved" where it excludes 0, the seeds that would resolve it, and the unpaired standard
+error beside the paired one (docs/reproducing.md).
+
 Equal sample budget: every run samples --samples_per_iteration responses per iteration. A group estimator (grpo,
 dr_grpo, rloo, reinforce_pp_baseline) samples --group_size responses for each of samples / group_size prompts;
 gae and reinforce_pp sample one response for each of `samples` prompts. Everything else is ppo-train's defaults
@@ -27,7 +38,10 @@ Writes, in OUT:
   compare.md     the environment, the command, and a table of held-out reward before / after (sampled and greedy),
                  final KL, time and throughput per variant ("mean ± std" over seeds, std with Bessel's correction;
                  "(n = 1)" for one seed), with one row per run below it
-  compare.json   all those numbers (per variant, under "estimators" and with its "settings", and per run)
+                 then each score's mean and 95% interval per variant, and the paired differences per pair of variants
+                 (held-out rewards after training; with --eval or an eval.json in each run directory, ppo-eval's
+                 greedy accuracy, pass@k, maj@n, mean@n too)
+  compare.json   all those numbers (per variant under "estimators", with its "settings"; under "paired"; per run)
   compare.png    rollout reward and KL against iteration: the seed mean per variant and a min..max band over seeds
                  (needs matplotlib, `pip install -e ".[plot]"`; without it compare.md and compare.json are still written)
   logs/          each run's stdout and stderr
@@ -46,6 +60,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -96,6 +111,10 @@ def parse_args(argv):
     ap.add_argument("--from_runs", nargs="+", default=[], metavar="RUN_DIR",
                     help="start nothing: report on these finished ppo-train run directories (runs made by hand or by "
                          "a recipe), grouped into variants by estimator; the other run flags are not read")
+    ap.add_argument("--eval", default=None, metavar='"PPO-EVAL ARGS"',
+                    help="after the runs, score each finished run's final checkpoint with ppo-eval --run RUN_DIR ARGS "
+                         "(e.g. --eval \"--n 8 --k 1,8\"; \"\" for its defaults) into RUN_DIR/eval.json; a run "
+                         "directory's eval.json, written so or by hand, adds its scores to the report")
     args = ap.parse_args(own)
     args.estimators = args.estimators.split(",")
     args.extra = extra
@@ -142,6 +161,20 @@ def variants(args, extra_keys):
 def variant_name(settings) -> str:
     """'grpo policy_loss_kind=gspo dual_clip=3': the estimator, then each other setting as KEY=VALUE."""
     return " ".join([settings["adv_estimator"], *(f"{k}={v}" for k, v in settings.items() if k != "adv_estimator")])
+
+
+def check_eval_args(eval_args):
+    """--eval's ppo-eval flags checked before any run starts (ppo_core.evaluate's own checks); ArgumentError."""
+    from ppo_core import evaluate
+
+    try:
+        own, rest = evaluate.split_own_flags(shlex.split(eval_args))
+        if "run" in own or "out" in own:
+            raise evaluate.EvalError("compare.py gives ppo-eval --run RUN_DIR and its eval.json itself")
+        evaluate.scoring_flags(own)
+        parse_cli(rest)
+    except (ValueError, evaluate.EvalError, ConfigError) as e:
+        raise ArgumentError(f"--eval {eval_args!r}: {e}") from None
 
 
 def run_plan(args):
@@ -291,6 +324,30 @@ def read_run(run, max_reward):
     before, after = run["summary"]["eval/reward_before"], run["summary"]["eval/reward_after"]
     run["headroom_closed"] = (after - before) / (max_reward - before) if before < max_reward else None
     run["tokens_per_s"] = statistics.mean(r["tokens_per_s"] for r in run["metrics"])
+    run["scores"] = {"reward_after": after, "greedy_reward_after": run["summary"]["eval/greedy_reward_after"]}
+    eval_json = os.path.join(run["dir"], "eval.json")
+    if os.path.isfile(eval_json):  # ppo-eval's scores of the run's checkpoint (--eval, or by hand)
+        with open(eval_json) as f:
+            run["scores"].update({name: stat["mean"] for name, stat in json.load(f)["scores"].items()})
+
+
+def evaluate_runs(runs, eval_args, jobs, log_dir):
+    """ppo-eval --run RUN_DIR eval_args on every finished run, `jobs` at a time, into RUN_DIR/eval.json; a run whose
+    evaluation fails is reported as failed (returncode, stderr_tail), its log in log_dir/<run>.eval.log."""
+    os.makedirs(log_dir, exist_ok=True)
+
+    def one(run):
+        cmd = [sys.executable, "-m", "ppo_core.evaluate", "--run", run["dir"], *shlex.split(eval_args)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        with open(os.path.join(log_dir, f"{os.path.basename(run['dir'])}.eval.log"), "w") as f:
+            f.write(f"$ {shlex.join(cmd)}\n--- stdout\n{proc.stdout}--- stderr\n{proc.stderr}")
+        if proc.returncode != 0:
+            run["returncode"] = proc.returncode
+            run["stderr_tail"] = "ppo-eval: " + "\n".join(proc.stderr.splitlines()[-STDERR_TAIL_LINES:])
+            print(f"[FAILED] ppo-eval of {run['dir']}: {run['stderr_tail']}", flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, [r for r in runs if r["returncode"] == 0]))
 
 
 def mean_std(values):
@@ -324,10 +381,115 @@ def aggregate(runs, names):
         for key, summary_key in SUMMARY_STATS:
             row[key] = mean_std([r["summary"][summary_key] for r in done])
         row["headroom_closed"] = mean_std([r["headroom_closed"] for r in done])
+        names_of_scores = [k for k in done[0]["scores"] if all(k in r["scores"] for r in done)] if done else []
+        row["intervals"] = {k: interval([r["scores"][k] for r in done]) for k in names_of_scores}
         row["time_s"] = statistics.mean(r["summary"]["time/total_s"] for r in done) if done else None
         row["tokens_per_s"] = statistics.mean(m["tokens_per_s"] for r in done for m in r["metrics"]) if done else None
         table[name] = row
     return table
+
+
+def paired(runs, names) -> list:
+    """Every pair of variants (a before b in plan order) and every score both have on each of their finished runs:
+    paired_difference(a, b) with the variants and the score named; pairs with fewer than two common seeds left out."""
+    by_variant = {name: [r for r in runs if r["variant"] == name and r["returncode"] == 0] for name in names}
+    out = []
+    for a, b in itertools.combinations(names, 2):
+        if not by_variant[a] or not by_variant[b]:
+            continue
+        shared = [k for k in by_variant[a][0]["scores"]
+                  if all(k in r["scores"] for r in by_variant[a] + by_variant[b])]
+        for score in shared:
+            diff = paired_difference({r["seed"]: r["scores"][score] for r in by_variant[a]},
+                                     {r["seed"]: r["scores"][score] for r in by_variant[b]})
+            if diff is not None:
+                out.append({"a": a, "b": b, "score": score, **diff})
+    return out
+
+
+# ---------------------------------------------------------------------------- paired statistics over seeds
+# Seed s of every variant shares what does not belong to the variant: the initial policy, the held-out prompts, the
+# training prompts' order and the sampling noise (the engine's counter noise, a function of seed, iteration and row).
+# A difference between two variants is therefore measured seed by seed (docs/reproducing.md).
+
+MAX_SEEDS = 1000  # seeds_to_resolve searches no further
+
+
+def t_coverage(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with df (integer) degrees of freedom, in closed form (Abramowitz and Stegun 26.7.3
+    and 26.7.4): with theta = atan(t / sqrt(df)), odd df: (2/pi) (theta + sin theta (cos theta + 2/3 cos^3 theta
+    + ... + (2*4*...*(df-3)) / (1*3*...*(df-2)) cos^(df-2) theta)), even df: sin theta (1 + 1/2 cos^2 theta + ...
+    + (1*3*...*(df-3)) / (2*4*...*(df-2)) cos^(df-2) theta)."""
+    theta = math.atan(t / math.sqrt(df))
+    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:
+        term = total = math.cos(theta) if df > 1 else 0.0
+        for j in range(1, (df - 1) // 2):
+            term *= cos2 * (2 * j) / (2 * j + 1)
+            total += term
+        return 2 / math.pi * (theta + sin * total)
+    term = total = 1.0
+    for j in range(1, df // 2):
+        term *= cos2 * (2 * j - 1) / (2 * j)
+        total += term
+    return sin * total
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p quantile (p > 0.5) of Student's t with df degrees of freedom: t_coverage inverted by bisection."""
+    lo, hi = 0.0, 1.0
+    while t_coverage(hi, df) < 2 * p - 1:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_coverage(mid, df) < 2 * p - 1 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def interval(values) -> dict | None:
+    """The mean of `values` (one per seed) and its 95% interval, mean +- t_{0.975, n-1} s / sqrt(n); lo = hi = the
+    mean for one value (no spread known); None for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    n = len(values)
+    half = t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else 0.0
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(values)}
+
+
+def seeds_to_resolve(difference: float, sd: float) -> int | None:
+    """The fewest paired seeds m >= 2 whose 95% interval, t_{0.975, m-1} sd / sqrt(m), would exclude 0 around the
+    observed `difference` at the paired standard deviation `sd`; None for no difference or more than MAX_SEEDS."""
+    def resolves(m):
+        return t_quantile(0.975, m - 1) * sd / math.sqrt(m) < abs(difference)
+
+    if difference == 0 or not resolves(MAX_SEEDS):
+        return None
+    lo, hi = 1, MAX_SEEDS  # resolves(hi); t_{m-1} / sqrt(m) falls with m: the first m that resolves, by halving
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if resolves(mid) else (mid, hi)
+    return hi
+
+
+def paired_difference(a: dict, b: dict) -> dict | None:
+    """b - a over the seeds both have (a, b: {seed: value}): the mean difference, its paired standard error (the
+    differences' sample std / sqrt(n)), the 95% interval mean +- t_{0.975, n-1} se, whether it excludes 0
+    ("resolved"), the seeds that would resolve it, and beside them the unpaired standard error of the same difference
+    of means, sqrt(s_a^2 / n_a + s_b^2 / n_b), over every seed of each: what independent seeds would give. None with
+    fewer than two common seeds."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    d = [b[s] - a[s] for s in seeds]
+    n, mean, sd = len(d), statistics.fmean(d), statistics.stdev(d)
+    se = sd / math.sqrt(n)
+    half = t_quantile(0.975, n - 1) * se
+    unpaired = math.sqrt(statistics.variance(a.values()) / len(a) + statistics.variance(b.values()) / len(b))
+    return {"seeds": seeds, "mean": mean, "lo": mean - half, "hi": mean + half, "se_paired": se, "sd_paired": sd,
+            "se_unpaired": unpaired, "resolved": mean - half > 0 or mean + half < 0,
+            "seeds_to_resolve": seeds_to_resolve(mean, sd)}
 
 
 def environment():
@@ -349,6 +511,44 @@ def fmt(stat, digits=4):
     if stat["n"] == 1:
         return f"{stat['mean']:.{digits}f} (n = 1)"
     return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def interval_lines(table, column) -> list:
+    """Each score per variant: its mean over seeds and 95% interval (t with n - 1 degrees of freedom)."""
+    names = list(dict.fromkeys(k for row in table.values() for k in row["intervals"]))
+    if not names:
+        return []
+    lines = ["", "Each score, mean over seeds and its 95% interval (Student's t, seeds - 1 degrees of freedom); "
+             "reward_after / greedy_reward_after: summary.json's held-out rewards; the others from each run's "
+             "eval.json (ppo-eval):", "",
+             f"| {column} | seeds | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for name, row in table.items():
+        cells = []
+        for k in names:
+            stat = row["intervals"].get(k)
+            cells.append("-" if stat is None else f"{stat['mean']:.4f} (n = 1)" if stat["n"] == 1
+                         else f"{stat['mean']:.4f} [{stat['lo']:.4f}, {stat['hi']:.4f}]")
+        lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def paired_lines(pairs) -> list:
+    """The paired differences, one line per score and pair of variants."""
+    if not pairs:
+        return []
+    lines = ["", "Paired differences b - a, seed by seed (the same seed shares the initial policy, the prompts and the "
+             "sampling noise): the mean and its 95% interval (paired t); resolved where the interval excludes 0; the "
+             "seeds that would resolve the observed difference at the measured paired spread; beside the paired "
+             "standard error, the unpaired one (sqrt(s_a^2/n_a + s_b^2/n_b)) that independent seeds would give:", "",
+             "| score | b | a | seeds | b - a [95% interval] | s.e. paired | s.e. unpaired | unpaired / paired "
+             "| resolved | seeds to resolve |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pairs:
+        gain = f"{p['se_unpaired'] / p['se_paired']:.2f}x" if p["se_paired"] > 0 else "-"
+        need = p["seeds_to_resolve"] if p["seeds_to_resolve"] is not None else f"> {MAX_SEEDS} or no difference"
+        lines.append(f"| {p['score']} | {p['b']} | {p['a']} | {len(p['seeds'])} | {p['mean']:+.4f} "
+                     f"[{p['lo']:+.4f}, {p['hi']:+.4f}] | {p['se_paired']:.4f} | {p['se_unpaired']:.4f} | {gain} "
+                     f"| {'resolved' if p['resolved'] else 'not resolved'} | {need} |")
+    return lines
 
 
 def write_markdown(path, report, runs):
@@ -374,6 +574,7 @@ def write_markdown(path, report, runs):
                      f"| {fmt(row['reward_after'])} | {fmt(row['greedy_reward_before'])} "
                      f"| {fmt(row['greedy_reward_after'])} | {fmt(row['kl_final'])} "
                      f"| {time_s} | {tps} | {fmt(row['headroom_closed'], 3)} |")
+    lines += interval_lines(table, column) + paired_lines(report["paired"])
     lines += ["", "Per run:", "",
               f"| {column} | seed | reward before | after | before (greedy) | after (greedy) | final KL | time (s) |",
               "|---|---|---|---|---|---|---|---|"]
@@ -434,6 +635,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         args = parse_args(argv)
+        if args.eval is not None:
+            check_eval_args(args.eval)
         runs = collected_runs(args.from_runs) if args.from_runs else run_plan(args)
     except ArgumentError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
@@ -445,6 +648,8 @@ def main(argv=None):
         args.seeds = sorted({r["seed"] for r in runs})
     else:
         execute(runs, args.jobs, os.path.join(args.out, "logs"))
+    if args.eval is not None:
+        evaluate_runs(runs, args.eval, args.jobs, os.path.join(args.out, "logs"))
     for run in runs:
         if run["returncode"] == 0:
             read_run(run, args.max_reward)
@@ -468,11 +673,12 @@ def main(argv=None):
         "extra_args": args.extra,
         "plot": "compare.png" if plotted else None,
         "estimators": aggregate(runs, names),  # per variant (per estimator without --vary / --variant)
+        "paired": paired(runs, names),  # per pair of variants and score: the difference seed by seed
         "runs": [{"variant": r["variant"], "settings": r["settings"], "estimator": r["estimator"], "seed": r["seed"],
                   "dir": r["dir"], "command": r["cmd"],
                   "returncode": r["returncode"], "wall_s": r["wall_s"], "stderr_tail": r["stderr_tail"],
                   "summary": r.get("summary"), "headroom_closed": r.get("headroom_closed"),
-                  "tokens_per_s": r.get("tokens_per_s")} for r in runs],
+                  "tokens_per_s": r.get("tokens_per_s"), "scores": r.get("scores")} for r in runs],
     }
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump(report, f, indent=2)

@@ -349,12 +349,25 @@ def _step_files(step_dir) -> list:
     return sorted(out)
 
 
-def write_manifest(step_dir):
-    """manifest.json: {"files": {relative path: {"bytes": size, "sha256": hex digest}}} of every other file."""
+def directory_manifest(step_dir) -> dict:
+    """{"format": 1, "files": {relative path: {"bytes": size, "sha256": hex digest}}} of every file but the manifest."""
     files = {rel: {"bytes": os.path.getsize(os.path.join(step_dir, rel)),
                    "sha256": file_sha256(os.path.join(step_dir, rel))} for rel in _step_files(step_dir)}
+    return {"format": 1, "files": files}
+
+
+def write_manifest(step_dir):
+    """manifest.json: directory_manifest(step_dir), which vouches for every other file."""
     with open(os.path.join(step_dir, MANIFEST), "w") as f:
-        json.dump({"format": 1, "files": files}, f, indent=1)
+        json.dump(directory_manifest(step_dir), f, indent=1)
+
+
+def manifest_sha256(checkpoint_dir) -> str:
+    """The SHA-256 of the manifest of a checkpoint directory's files as they are now (directory_manifest, written as
+    write_manifest writes it): the SHA-256 of an intact ppo-train step's manifest.json, and for any other directory
+    (one transformers saved, a shipped demo) the same hash over its files. One hex string names the weights, the
+    tokenizer and the config an evaluation read (ppo-eval's eval.json)."""
+    return hashlib.sha256(json.dumps(directory_manifest(checkpoint_dir), indent=1).encode()).hexdigest()
 
 
 def verify_step(step_dir) -> bool:
