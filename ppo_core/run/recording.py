@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from . import checkpoint
-from .runlog import IGNORED_FOR_IDENTITY, is_rank0, redact_secrets, write_json
+from .redact import redact
+from .runlog import IGNORED_FOR_IDENTITY, is_rank0, write_json
 from ..config import ConfigError, PPOConfig, to_dict
 from ..models.model import CheckpointError, read_safetensors
 
@@ -86,7 +87,7 @@ def start_recording(run_path, cfg: PPOConfig, policy_path):
     write_json(os.path.join(folder(run_path), MANIFEST),
                {"format": FORMAT, "policy": policy_path, **checkpoint_identity(policy_path),
                 "shape": {key: getattr(cfg, key) for key in REPLAY_SHAPE}, "iterations": cfg.iterations,
-                "config": redact_secrets(to_dict(cfg))})
+                "config": redact(to_dict(cfg))})
 
 
 def tensor_bytes_bound(rows, prompt_len, response_len, decode_logprobs: bool, attended: bool) -> int:
@@ -256,7 +257,7 @@ def open_recording(path, cfg: PPOConfig, policy_path) -> Recording:
 
 def config_differences(recording: Recording, cfg: PPOConfig) -> list:
     """The config keys that change what a replay trains, whose values this run and the recording differ in."""
-    recorded, here = recording.manifest.get("config", {}), redact_secrets(to_dict(cfg))
+    recorded, here = recording.manifest.get("config", {}), redact(to_dict(cfg))
     skip = set(IGNORED_FOR_IDENTITY + NOT_TRAINED)
     return sorted(k for k in set(recorded) | set(here) if k not in skip and recorded.get(k) != here.get(k))
 
