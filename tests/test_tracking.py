@@ -146,18 +146,28 @@ def test_tensorboard_scalars_and_samples(tmp_path):
     assert text.tensor_proto.string_val[0].decode() == tracking.samples_markdown(ROWS)
 
 
+def next_second():
+    """Sleep into the next second of the clock. An event file is named events.out.tfevents.<second>.<host>.<pid>.<n>
+    and read in name order; a resume is a later process, so its file sorts after the first attempt's. Two writers of
+    one process in one second sort by the counter n as text instead (10 before 9: the suite's 10th writer), which no
+    real resume does."""
+    time.sleep(1.01 - time.time() % 1)
+
+
 def test_tensorboard_resume_hides_redone_steps(tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     run = str(tmp_path)
     with Tracker("tensorboard", run, CONFIG, "run") as tracker:  # the first attempt reaches iteration 3
         for step in (1, 2, 3):
             tracker.log({"reward/mean": step * 1.0}, step)
+    next_second()
     with Tracker("tensorboard", run, CONFIG, "run", resume_step=1) as tracker:  # resumed from the step-1 checkpoint
         for step in (2, 3, 4):
             tracker.log({"reward/mean": step * 10.0}, step)
     assert len(glob.glob(os.path.join(run, "tensorboard", "events.out.tfevents.*"))) == 2
     assert [(e.step, e.value) for e in read_tensorboard(run).Scalars("reward/mean")] == [
         (1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+    next_second()
     with Tracker("tensorboard", run, CONFIG, "run") as tracker:  # started over: no checkpoint kept
         tracker.log({"reward/mean": 0.5}, 1)
     assert [(e.step, e.value) for e in read_tensorboard(run).Scalars("reward/mean")] == [(1, 0.5)]
