@@ -17,6 +17,7 @@ import ppo_kernels
 import ppo_kernels.loss as kernel_loss
 from ppo_core import algo
 from ppo_core.config import ConfigError, PPOConfig, build_config
+from test_losses_peers import agg_coefficients, random_batch  # the same inputs and aggregation weights
 
 F64 = torch.float64
 TOL = 1e-14
@@ -24,30 +25,6 @@ TOL = 1e-14
 
 def t64(rows):
     return torch.tensor(rows, dtype=F64)
-
-
-def random_batch(seed, B=5, T=7):
-    """float64 [B, T]: log-probs, old log-probs spread around them, per-token advantages, a mask with a hole, a short
-    row and a fully masked row."""
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, T, generator=g, dtype=F64) * 3
-    old_logp = logp + 0.5 * torch.randn(B, T, generator=g, dtype=F64)
-    advantages = torch.randn(B, T, generator=g, dtype=F64) * 2
-    mask = torch.ones(B, T, dtype=F64)
-    mask[0, 3] = 0
-    mask[1, 4:] = 0
-    mask[2] = 0
-    return logp, old_logp, advantages, mask
-
-
-def agg_coefficients(mask, agg):
-    """c_it with aggregate(loss, mask, agg) = sum_it c_it loss_it, from algo.aggregate's definitions."""
-    rows = mask.tolist()
-    n = [sum(row) for row in rows]
-    tokens, seqs, T = sum(n), sum(1 for k in n if k > 0), len(rows[0])
-    per_row = {"token-mean": lambda k: 1 / tokens, "seq-mean-token-mean": lambda k: 1 / (k * seqs),
-               "seq-mean-token-sum": lambda k: 1 / seqs, "seq-mean-token-sum-norm": lambda k: 1 / (seqs * T)}[agg]
-    return [[per_row(n[i]) if m else 0.0 for m in row] for i, row in enumerate(rows)]
 
 
 def kl_penalty_loop(logp, old_logp, advantages, mask, beta, agg, weights=None):
@@ -89,7 +66,7 @@ def test_hand_worked():
 
 def test_on_policy_the_gradient_is_the_policy_gradient():
     # at r = 1 the penalty and its gradient vanish: dL/dlogp = -A / N, for any beta
-    logp, _, advantages, mask = random_batch(3)
+    logp, _, advantages, mask = random_batch(3, token_advantages=True)
     for beta in (0.0, 10.0):
         _, grad, stats = loss_and_grad(logp, logp, advantages, mask, kl_penalty_beta=beta)
         assert (grad + advantages * mask / mask.sum()).abs().max().item() <= TOL
@@ -99,7 +76,7 @@ def test_on_policy_the_gradient_is_the_policy_gradient():
 @pytest.mark.parametrize("agg", algo.AGG_MODES)
 @pytest.mark.parametrize("beta", [0.0, 0.3, 3.0])
 def test_against_a_float64_loop(agg, beta):
-    logp, old_logp, advantages, mask = random_batch(0)
+    logp, old_logp, advantages, mask = random_batch(0, token_advantages=True)
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * 2
     for w in (None, weights):
         loss, grad, _ = loss_and_grad(logp, old_logp, advantages, mask, beta, agg=agg, weights=w)
