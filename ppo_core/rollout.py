@@ -54,13 +54,13 @@ IGNORE_INDEX = -100  # label of a position that has no log-prob (padding, tool o
 # ---------------------------------------------------------------------------- the entry points
 
 def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg, generator, autocast,
-                      sample_only=False, teacher=None):
+                      sample_only=False, teacher=None, fresh_rows=None):
     """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt times (a group of
     consecutive rows), scored; this process's rows of the global batch. With cfg.filter_groups, groups whose
     scores are all equal are replaced by groups of further prompt batches (DAPO's dynamic sampling).
     -> (Rollout, ended [b], stats {"filter/...": float, reward components' means, "time/generate_s"}).
     sample_only (cfg.max_staleness, rollout workers): the rollout sampled and scored, not forwarded ->
-    (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train)."""
+    (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train). fresh_rows: see rollout_forward."""
     rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
     rows_total = rollout_rows(cfg)
     b = rows_total // world
@@ -87,7 +87,7 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
             stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
             if sample_only:
                 return sampled, group, stats
-            rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
+            rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher, fresh_rows)
             return rollout, sampled.ended, stats
         everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
         varied = algo.varied_groups(everything.scores, torch.arange(rows_total, device=everything.scores.device) // n)
@@ -106,16 +106,19 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
     if sample_only:
         return sampled, group, stats
-    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher), sampled.ended, stats
+    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher, fresh_rows), sampled.ended,
+            stats)
 
 
 @torch.no_grad()
-def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast, teacher=None) -> Rollout:
+def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast, teacher=None,
+                    fresh_rows=None) -> Rollout:
     """The training code path over sampled responses: old and reference log-probs, entropy and values (zeros
     without a critic), and with a teacher (on-policy distillation, cfg.teacher) its log-probs of the sampled tokens,
     computed as the reference's; in micro-batches (cfg.micro_batch_size rows, or packed ones of cfg.micro_batch_tokens
     tokens). group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout the old
-    log-probs and entropy are the decoding pass's: no policy forward."""
+    log-probs and entropy are the decoding pass's: no policy forward. fresh_rows (update.fresh_first_minibatch): rows
+    the policy is not run over here; the update's first minibatch fills their old log-probs and entropy."""
     policy.eval()
     input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
     attended = sampled.response_mask.bool() if sampled.attended is None else sampled.attended  # observations too
@@ -125,21 +128,34 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
     B, R = response_mask.shape
     old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros(B, R, device=input_ids.device) for _ in range(4))
     teacher_logprobs = torch.zeros(B, R, device=input_ids.device) if teacher is not None else None  # [B, R]
-    chunks, n_real = scoring_micro_batches(host_mask, cfg)
+    scored = torch.ones(B, dtype=torch.bool)  # the rows whose old log-probs are computed here
+    if fresh_rows is not None:
+        scored[fresh_rows] = False
+
+    def args_of(mb):
+        packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
+        return (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels), packed
+
     with autocast():  # one region for every micro-batch: its cast cache holds one bf16 copy of the policy's weights
-        for i, mb in enumerate(chunks):
-            packed = pack_rows(input_ids[mb], host_mask[mb], P) if cfg.micro_batch_tokens else None
-            args = (input_ids[mb], attention_mask[mb], response_mask[mb], P, cfg.temperature, cfg.fused_kernels)
-            if cfg.old_logprobs_from_rollout:
-                lp, ent = sampled.decode_logprobs[mb] * response_mask[mb], sampled.decode_entropy[mb] * response_mask[mb]
-            else:
+        if cfg.old_logprobs_from_rollout:
+            old_logprobs, entropy = sampled.decode_logprobs * response_mask, sampled.decode_entropy * response_mask
+        elif scored.any():
+            rows = scored.nonzero().squeeze(1)  # [b'] CPU
+            chunks, n_real = scoring_micro_batches(host_mask[rows], cfg)
+            for i, mb in enumerate(chunks):
+                args, packed = args_of(rows[mb])
                 lp, ent = response_logprobs(policy, *args, packed=packed)
+                if i < n_real:  # (else a forward run only to match another process's count)
+                    old_logprobs[rows[mb]], entropy[rows[mb]] = lp.float(), ent.float()
+        chunks, n_real = scoring_micro_batches(host_mask, cfg)
+        for i, mb in enumerate(chunks):
+            args, packed = args_of(mb)
             ref_lp, _ = reference_logprobs(policy, reference, *args, packed=packed)
             teacher_lp = response_logprobs(teacher, *args, packed=packed)[0] if teacher is not None else None
             v = response_values(critic, input_ids[mb], attention_mask[mb], P, packed) if critic is not None else None
             if i >= n_real:  # a forward run only to match another process's count
                 continue
-            old_logprobs[mb], entropy[mb], ref_logprobs[mb] = lp.float(), ent.float(), ref_lp.float()
+            ref_logprobs[mb] = ref_lp.float()
             if teacher_lp is not None:
                 teacher_logprobs[mb] = teacher_lp.float()
             if v is not None:
@@ -150,7 +166,7 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
     return Rollout(sampled.prompts, sampled.responses, input_ids, attention_mask, response_mask, P,
                    old_logprobs, ref_logprobs, old_values * response_mask, entropy, sampled.scores,
                    group.to(input_ids.device), sampled=sampled, host_mask=host_mask, behav_logprobs=behav_logprobs,
-                   teacher_logprobs=teacher_logprobs)
+                   teacher_logprobs=teacher_logprobs, fresh_rows=fresh_rows)
 
 
 @dataclass
@@ -176,6 +192,7 @@ class Rollout:
     host_mask: torch.Tensor = None  # [B, P+R] bool on the CPU: attention_mask, read by the packed passes (ppo_core.data.packing)
     behav_logprobs: torch.Tensor = None  # [B, R]: the sampler's own log-probs (cfg.off_policy_correction), 0 off the loss
     teacher_logprobs: torch.Tensor = None  # [B, R]: log pi_teacher of the sampled tokens (cfg.teacher), 0 off the loss
+    fresh_rows: torch.Tensor = None  # CPU int64: rows whose old log-probs the update's first minibatch computes
 
 
 @torch.no_grad()

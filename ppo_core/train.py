@@ -13,10 +13,9 @@ One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation det
                record_rollout, ppo_core.run.recording)
   2. score:    the reward function or model gives one scalar per response                   ppo_core.rewards.source
   3. forward:  old log-probs and entropy (policy), reference log-probs, the teacher's (on-policy distillation, if
-               any), values (critic, if any), all with the training code path, so the first minibatch's ratio is 1
-               up to the order of a log-sum-exp (measured as policy/first_ratio_max_dev: 0.0 for the CPU demo,
-               ~1e-6 at large vocabularies, ~1e-3 on a GPU under bf16 autocast, where GEMM and attention kernels
-               are chosen by batch shape)                                                       ppo_core.rollout
+               any), values (critic, if any), all with the training code path; the rows of the update's first
+               minibatch get their old log-probs from its own forward instead (ratio exactly 1; not where the KL is
+               in the reward or anything else reads them first: update.fresh_first_minibatch)  ppo_core.rollout
   4. rewards:  penalties on the raw score (missing EOS, overlong), optional whitening and clipping; then
                r_t = -beta * KL_t on every token, + the score on the last real token   ppo_core.update, ppo_core.algo
   5. advantages, by cfg.adv_estimator: GAE with the critic's values, whitened over the batch; or critic-free: the
@@ -67,7 +66,7 @@ from .rollout import (EVAL_SEED_OFFSET, evaluate, iteration_rollout, needs_refer
                       with_reference_responses)
 from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
-from .update import NonFiniteUpdates, Optimizers, compute_advantages, ppo_update
+from .update import NonFiniteUpdates, Optimizers, compute_advantages, fresh_first_minibatch, ppo_update
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
 DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT, "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo"),
@@ -157,6 +156,8 @@ def run(cfg: PPOConfig, resume_from=None):
             with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
+                # the update's first minibatch, whose old log-probs its own forward gives (None: scored here)
+                fresh = fresh_first_minibatch(cfg, rollout_rows(cfg), shuffle_gen, it >= cfg.critic_warmup)
                 if replay is not None:  # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
                     rollout, ended, filter_stats = replayed_rollout(it, replay, policy, reference, critic, cfg,
                                                                     autocast, teacher, device)
@@ -164,7 +165,7 @@ def run(cfg: PPOConfig, resume_from=None):
                     share, worker_stats = workers.rollout(it, state)
                     sampled, group, filter_stats = sampled_from_state(share, device)
                     filter_stats.update(worker_stats)
-                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
+                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher, fresh)
                     ended = sampled.ended
                 elif cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
                     rollout, ended, filter_stats = stale_rollout(it, state, stream, policy, reference, critic,
@@ -173,7 +174,7 @@ def run(cfg: PPOConfig, resume_from=None):
                 else:
                     rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
                                                                      reward_source, cfg, sample_gen, autocast,
-                                                                     teacher=teacher)  # 1-3
+                                                                     teacher=teacher, fresh_rows=fresh)  # 1-3
             if cfg.save_rollouts:  # what 1-2 produced, for a later --replay_rollouts (ppo_core.run.recording)
                 record_rollout(log, run_dir, it, rollout, filter_stats, first=it == start_iter)
             kl_coef = kl_ctl.value

@@ -99,6 +99,22 @@ MB_STATS = tuple(STEP_STATS)  # their names, in that order
 LOSS_STATS_ELSEWHERE = ("ratio_max_dev", "behav_gap", "behav_gap_max", "corrected_frac", "entropy")
 
 
+def fresh_first_minibatch(cfg: PPOConfig, n_rows, generator, train_policy=True):
+    """The rows of the update's first minibatch (a CPU index tensor), where their old log-probs can be that
+    minibatch's own forward, or None. Before the first optimizer step the policy is the one that scored the rollout,
+    so the scoring pass need not run it over these rows: the update's forward gives log pi_old (ratio exactly 1) and
+    the entropy, and writes both into the rollout for the metrics. Read from a copy of `generator`, which ppo_update
+    then draws the same permutation from. None where the old log-probs are read before the update (the KL in the
+    reward, distillation's advantages, an off-policy correction, a recording), come from the decoding pass, or live
+    on other processes, and in a critic warm-up iteration (no policy forward)."""
+    if (not train_policy or cfg.kl_in_reward or cfg.teacher or cfg.off_policy_correction != "none"
+            or cfg.old_logprobs_from_rollout or cfg.save_rollouts or dist.world_size() > 1):
+        return None
+    copy = torch.Generator()
+    copy.set_state(generator.get_state())
+    return torch.randperm(n_rows, generator=copy)[: cfg.minibatch_size]
+
+
 def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast, step_fn, train_policy=True):
     """`ppo_epochs` passes of minibatch updates over one rollout; returns the mean of each statistic.
 
@@ -142,8 +158,11 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
                 rows_per_process = (mb_global[None, :] // b == torch.arange(world)[:, None]).sum(-1)  # [world] CPU
                 n_micro = -(-int(rows_per_process.max()) // cfg.micro_batch_size)  # ceil
                 chunks = micro_batches(len(mb), cfg.micro_batch_size, mb)
+            fresh = epoch == 0 and start == 0 and rollout.fresh_rows is not None
+            if fresh and not torch.equal(mb_global, rollout.fresh_rows):
+                raise RuntimeError("the update's first minibatch is not the one fresh_first_minibatch predicted")
             sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, chunks, n_micro, cfg, kl_coef,
-                                                           autocast, train_policy)
+                                                           autocast, train_policy, fresh)
             values, tokens, (first_dev, max_dev, gap_max) = _read_step_stats(sums, counts, ratio_devs)
             for name, value in values.items():
                 _append(stats, name, value if name in STEP_STATS and STEP_STATS[name] is None else value / tokens)
@@ -191,7 +210,7 @@ def every_process_rows(rollout: Rollout) -> Rollout:
 
 
 def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: PPOConfig, kl_coef, autocast,
-                        train_policy=True):
+                        train_policy=True, fresh=False):
     """Forward and backward of policy and critic over this process's rows of one minibatch, in n_micro micro-batches:
     chunks, CPU index tensors of rows (a process with fewer than n_micro runs row 0 with no token in the loss:
     gradient 0), each padded to the rollout's width or, with cfg.micro_batch_tokens, packed (ppo_core.data.packing);
@@ -219,7 +238,8 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
     with autocast():
         for i in range(n_micro):
             rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
-            batch = micro_batch(rollout, rows, packed=bool(cfg.micro_batch_tokens), in_loss=i < len(chunks))
+            batch = micro_batch(rollout, rows, packed=bool(cfg.micro_batch_tokens), in_loss=i < len(chunks),
+                                fresh=fresh)
             last = i == n_micro - 1
             n = batch.response_mask.sum()
             pg_loss = kl_loss = vf_loss = zero
@@ -229,6 +249,9 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
                     loss, pg_loss, kl_loss, pg_stats = policy_objective(policy, batch, cfg, kl_coef, agg)
                     with autocast_off(device):
                         loss.backward()
+                if fresh and i < len(chunks):  # the old log-probs the scoring pass left to this forward (fresh_rows)
+                    rollout.old_logprobs[rows] = batch.old_logprobs * batch.response_mask
+                    rollout.entropy[rows] = batch.entropy * batch.response_mask
                 if first_ratio_dev is None:
                     first_ratio_dev = pg_stats["ratio_max_dev"].detach()
                 max_ratio_dev = torch.maximum(max_ratio_dev, pg_stats["ratio_max_dev"].detach())
@@ -273,23 +296,25 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [b, P+R] bool
     response_mask: torch.Tensor  # [b, R] float32: 1 on the tokens the policy produced, the tokens in the loss
     prompt_len: int  # P
-    old_logprobs: torch.Tensor  # [b, R] float32: log pi_old, the rollout's
+    old_logprobs: torch.Tensor | None  # [b, R] float32: log pi_old, the rollout's; None: fresh (policy_objective)
     advantages: torch.Tensor  # [b, R] float32
     ref_logprobs: torch.Tensor  # [b, R] float32: the reference policy's
     behav_logprobs: torch.Tensor | None = None  # [b, R] float32: the sampler's, mu (cfg.off_policy_correction)
     old_values: torch.Tensor | None = None  # [b, R] float32: the critic's at rollout time (the value loss's clip)
     returns: torch.Tensor | None = None  # [b, R] float32: the value targets
     packed: Packed | None = None  # these rows packed (cfg.micro_batch_tokens, ppo_core.data.packing)
+    entropy: torch.Tensor | None = None  # [b, R] float32: set by policy_objective on a fresh micro-batch
 
 
-def micro_batch(rollout: Rollout, rows, packed=False, in_loss=True) -> MicroBatch:
+def micro_batch(rollout: Rollout, rows, packed=False, in_loss=True, fresh=False) -> MicroBatch:
     """The rollout's rows `rows` (a CPU index tensor) as a MicroBatch; packed: with their packed form. in_loss=False: a
-    process's extra micro-batch (minibatch_gradients), all-zero response_mask, so no token is in the loss."""
+    process's extra micro-batch (minibatch_gradients), all-zero response_mask, so no token is in the loss. fresh: rows
+    of the update's first minibatch whose old log-probs were not scored (fresh_first_minibatch): old_logprobs None."""
     input_ids, response_mask = rollout.input_ids[rows], rollout.response_mask[rows]
     return MicroBatch(
         input_ids=input_ids, attention_mask=rollout.attention_mask[rows],
         response_mask=response_mask if in_loss else torch.zeros_like(response_mask), prompt_len=rollout.prompt_len,
-        old_logprobs=rollout.old_logprobs[rows], advantages=rollout.advantages[rows],
+        old_logprobs=None if fresh else rollout.old_logprobs[rows], advantages=rollout.advantages[rows],
         ref_logprobs=rollout.ref_logprobs[rows],
         behav_logprobs=None if rollout.behav_logprobs is None else rollout.behav_logprobs[rows],
         old_values=rollout.old_values[rows], returns=rollout.returns[rows],
@@ -305,8 +330,11 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
     the head's, never forming the [b*R, V] logits; without fused_kernels: full logits, log_softmax + gather, then
     `objective` on them. Either way the loss trained is the one ppo_core.algo computes: an edit there is what every
     path trains. batch.packed: these rows packed (ppo_core.data.packing); the heads see what they see padded.
-    agg: algo.aggregate's agg and the minibatch's global num_tokens and num_seqs."""
+    agg: algo.aggregate's agg and the minibatch's global num_tokens and num_seqs. A fresh batch (old_logprobs None,
+    the first minibatch before any step: fresh_first_minibatch): log pi_old is the forward's own log-probs, detached
+    (ratio exactly 1), and batch.old_logprobs and batch.entropy are set to what the forward computed."""
     response_mask, old_logprobs, ref_logprobs = batch.response_mask, batch.old_logprobs, batch.ref_logprobs
+    fresh = old_logprobs is None
     advantages = batch.advantages
     labels = response_labels(batch.input_ids, response_mask, batch.prompt_len)
     off_weights, off_stats = None, {}
@@ -324,7 +352,8 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
         """L = L^policy + beta KL - c_H H on the micro-batch's rows `rows`: logp, entropy [b, R] (entropy None
         unless entropy_coef). Splits over rows as micro-batches do (global counts)."""
         mask = response_mask[rows]
-        loss, stats = policy_loss_fn(logp, old_logprobs[rows], advantages[rows], mask,
+        old = logp.detach() if fresh else old_logprobs[rows]  # a fresh batch: pi_old is the policy as it is
+        loss, stats = policy_loss_fn(logp, old, advantages[rows], mask,
                                      weights=None if off_weights is None else off_weights[rows], **agg, **settings)
         if kl_in_loss:
             # L += beta * aggregate(KL_t): the KL to the reference as a loss term (cfg.kl_in_reward = False)
@@ -342,16 +371,19 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
 
     def fused_head(hidden, weight):
         return ppo_kernels.linear_logprob_loss(hidden, weight, labels, objective, temperature=cfg.temperature,
-                                               need_entropy=want_entropy,
+                                               need_entropy=want_entropy or fresh,
                                                rows_separate=coupling != "batch", tokens_separate=coupling == "token")
 
     def reference_head(hidden, weight):
         return ppo_kernels.linear_logprob_loss_reference(hidden, weight, labels, objective,
-                                                         temperature=cfg.temperature, need_entropy=want_entropy)
+                                                         temperature=cfg.temperature,
+                                                         need_entropy=want_entropy or fresh)
 
     head = fused_head if cfg.fused_kernels else reference_head
-    loss, stats, _, _ = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, head,
-                                      batch.packed)
+    loss, stats, logp, entropy = response_head(policy, batch.input_ids, batch.attention_mask, batch.prompt_len, head,
+                                               batch.packed)
+    if fresh:
+        batch.old_logprobs, batch.entropy = logp.detach().float(), entropy.detach().float()
     stats = dict(stats)
     kl_loss = stats.pop("kl_loss", torch.zeros((), device=batch.input_ids.device))  # on the loop's device
     if off_weights is not None:  # the sampler's gap, and the share of tokens the correction truncated or dropped
