@@ -63,7 +63,7 @@ from ppo_core.engine.generate import filter_logits, sample_from_probs  # noqa: E
 from ppo_core.engine import RolloutEngine  # noqa: E402
 from ppo_core.models.model import CausalLM, ModelArgs, load_model, read_config  # noqa: E402
 from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
-from ppo_core.rollout import response_logprobs  # noqa: E402
+from ppo_core.heads import response_logprobs  # noqa: E402
 from ppo_core.train import DEMO_CHECKPOINT  # noqa: E402
 
 QWEN_VOCAB = 151936

@@ -54,8 +54,8 @@ from bench.weights_moved import GROUPS, group_of  # noqa: E402
 from ppo_core import algo, load_model, load_tokenizer  # noqa: E402
 from ppo_core.data.packing import token_budget_micro_batches  # noqa: E402
 from ppo_core.data.prompts import load_rows  # noqa: E402
-from ppo_core.rollout import (Rollout, encode_prompts, micro_batches, response_labels,  # noqa: E402
-                              response_logprobs, sample_responses)
+from ppo_core.heads import micro_batches, response_labels, response_logprobs  # noqa: E402
+from ppo_core.rollout import Rollout, encode_prompts, sample_responses  # noqa: E402
 from ppo_core.update import compute_advantages, minibatch_gradients  # noqa: E402
 from ppo_core.rewards.verifiers import last_number_reward  # noqa: E402
 

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ppo_core.models import model as ppo_model  # noqa: E402
 from ppo_core.run import runlog
 from ppo_core import train  # noqa: E402
-from ppo_core.rollout import response_logprobs, response_values  # noqa: E402
+from ppo_core.heads import response_logprobs, response_values  # noqa: E402
 from ppo_core.update import MicroBatch, policy_objective  # noqa: E402
 from ppo_core.config import PPOConfig  # noqa: E402
 from generate import random_model  # noqa: E402  (bench/generate.py: this script's folder is on sys.path)

@@ -17,7 +17,7 @@
               fused kernel or the torch reference; the critic's clipped value loss (algo.value_loss)
   statistics: STEP_STATS, the one table of what each optimizer step reports and how it is averaged
   optimizers: Optimizers: AdamW for policy and critic, warm-up + cosine LR (lr_at), the skip-on-NaN rule
-The forward heads are the rollout's (ppo_core.rollout), so the update's log-probs are computed as the old ones were.
+The forward heads are the scoring pass's (ppo_core.heads), so the update's log-probs are computed as the old ones were.
 The file reads in that order: the entry points first, then what they call, in the order it runs.
 """
 import dataclasses
@@ -33,7 +33,8 @@ from . import algo
 from .run import distributed as dist
 from .config import PPOConfig
 from .data.packing import Packed, balanced_split, pack_rows, token_budget_micro_batches
-from .rollout import Rollout, micro_batches, response_head, response_labels, response_values
+from .heads import micro_batches, response_head, response_labels, response_values
+from .rollout import Rollout
 
 
 # ---------------------------------------------------------------------------- the entry points

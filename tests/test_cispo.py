@@ -313,7 +313,8 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     same objective) give the same loss and gradients, with the KL loss term, the entropy bonus and an off-policy
     correction's weights; the loss-path line names each."""
     from ppo_core.models.model import load_model
-    from ppo_core.rollout import response_logprobs, sample_responses
+    from ppo_core.heads import response_logprobs
+    from ppo_core.rollout import sample_responses
     from ppo_core.data.tasks import eval_prompts
     from ppo_core.models.tokenizer import load_tokenizer
     from ppo_core.update import MicroBatch, policy_objective

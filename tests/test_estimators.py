@@ -19,7 +19,8 @@ from ppo_core.config import build_config
 from ppo_core.models.model import load_model
 from ppo_core.run.precision import loss_paths
 from ppo_core.rewards.source import make_reward_source
-from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, response_logprobs, sample_responses
+from ppo_core.heads import response_logprobs
+from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, sample_responses
 from ppo_core.data.tasks import PromptStream, eval_prompts, reverse_reward
 from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.update import MicroBatch, compute_advantages, lr_at, policy_objective

@@ -138,12 +138,20 @@ def test_bench_and_scripts_use_no_underscore_helpers_of_the_packages():
 
 # The files a researcher edits, and ppo-eval's (the scores beside the loop that it shares the evaluation with);
 # everything else lives in a subpackage named for what it holds.
-TOP_LEVEL = {"__init__", "train", "config", "algo", "update", "rollout", "evaluate"}
+TOP_LEVEL = {"__init__", "train", "config", "algo", "update", "rollout", "heads", "evaluate"}
 # The loop: what only the top level may import.
 LOOP = {"ppo_core.train", "ppo_core.rollout", "ppo_core.update"}
 # Arrows from below into the loop, each named here to be removed, never added to (none now: the rollout worker is
 # handed the loop's rollout by ppo_core.train.serve_rollouts instead of importing it).
 KNOWN_ARROWS_INTO_THE_LOOP = set()
+
+
+def test_the_forward_heads_sit_below_both_passes():
+    """The update reads its log-probs and values through ppo_core.heads, as the scoring pass does, and never goes back
+    into the rollout for them: heads imports neither pass."""
+    graph = import_graph()
+    assert "ppo_core.heads" in graph["ppo_core.rollout"] and "ppo_core.heads" in graph["ppo_core.update"]
+    assert not graph["ppo_core.heads"] & LOOP
 
 
 def test_the_top_level_holds_the_researchers_files_and_the_subpackages():

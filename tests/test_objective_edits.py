@@ -22,7 +22,8 @@ from ppo_core.data.tasks import eval_prompts
 from ppo_core.models import lora
 from ppo_core.models.model import load_model
 from ppo_core.models.tokenizer import load_tokenizer
-from ppo_core.rollout import response_logprobs, sample_responses
+from ppo_core.heads import response_logprobs
+from ppo_core.rollout import sample_responses
 from ppo_core.train import DEMO_CHECKPOINT
 from ppo_core.update import MicroBatch, policy_objective
 

@@ -240,7 +240,7 @@ def test_one_autocast_region_per_pass_gives_the_bits_of_one_region_per_micro_bat
     micro-batch (each weight cast again each time, backward outside the region): the same log-probs and the same
     accumulated gradients, bit for bit, float32 models under CPU bf16 autocast (the run's dtype='bf16-mixed')."""
     from ppo_core.data.packing import pack_rows, token_budget_micro_batches
-    from ppo_core.rollout import reference_logprobs, response_logprobs
+    from ppo_core.heads import reference_logprobs, response_logprobs
     from ppo_core.update import micro_batch, policy_objective
 
     policy, reference, critic = (m.float() for m in models())

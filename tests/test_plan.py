@@ -1,8 +1,8 @@
 """ppo-plan (ppo_core/run/plan.py): the seed figures from the real architecture configs, the JSON schema, fits,
 FSDP, offload, LoRA, and the activation and KV-cache estimates against what a CPU run actually holds.
 
-The activation checks train one micro-batch with the loop's own functions (rollout.response_logprobs +
-algo.policy_loss, then rollout.response_values + algo.value_loss) and compare the planner's formulas, evaluated
+The activation checks train one micro-batch with the loop's own functions (heads.response_logprobs +
+algo.policy_loss, then heads.response_values + algo.value_loss) and compare the planner's formulas, evaluated
 for float32 and the CPU log-prob path, with (1) the bytes autograd saves, summed over distinct storages through
 torch.autograd.graph.saved_tensors_hooks, and (2) the peak resident memory of a fresh process over the
 forward + backward (VmHWM reset through /proc/self/clear_refs; glibc's mmap threshold pinned so freed tensors
@@ -20,7 +20,7 @@ from ppo_core import algo, train
 from ppo_core.run import plan
 from ppo_core.models.model import KVCache, ModelArgs, count_parameters, load_model, load_score_model
 from ppo_core.data.packing import pack_rows
-from ppo_core.rollout import response_logprobs, response_values
+from ppo_core.heads import response_logprobs, response_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs", "models")

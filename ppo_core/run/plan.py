@@ -114,8 +114,8 @@ single-process loop with dtype=auto keeps fp32 weights under autocast, so its re
 take twice the bytes shown there.
 
 How the activation estimate was checked (tests/test_plan.py): a Qwen3-family model at a scaled-down size,
-trained on the CPU for one micro-batch with the loop's own code path (rollout.response_logprobs + algo.policy_loss,
-then rollout.response_values + algo.value_loss), float32, left-padded prompts. Measured twice: (1) the bytes of
+trained on the CPU for one micro-batch with the loop's own code path (heads.response_logprobs + algo.policy_loss,
+then heads.response_values + algo.value_loss), float32, left-padded prompts. Measured twice: (1) the bytes of
 every distinct non-parameter storage autograd saves (torch.autograd.graph.saved_tensors_hooks), against the
 "saved" term above; (2) the process's peak resident memory over the forward + backward above the memory before
 it (Linux: VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned at 64 KiB so every freed
