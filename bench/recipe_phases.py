@@ -15,7 +15,9 @@ oneDNN up) of its seconds, the arithmetic it needs, and the rate that makes:
   generate  the rollout engine (prefill + decode of 64 responses); decode is bound by memory, not matmuls: reported,
             no goal
   score     the forwards that give the old (policy) and reference log-probs, and the critic's values under GAE
-            (time/score_s: the rollout's time after decoding, the reward function included, which is microseconds)
+            (time/score_s: the rollout's time after decoding, the reward function included, which is microseconds);
+            the policy's over the rows outside the update's first minibatch only, where that minibatch's own forward
+            gives its old log-probs (update.fresh_first_minibatch)
   update    forward + backward of each minibatch through the loss, the optimizer steps included
 
 Arithmetic a pass needs (multiply-adds x 2), counted from the checkpoint's config.json and the iteration's tokens:
@@ -44,6 +46,7 @@ from ppo_core.config import build_config, load_toml  # noqa: E402
 from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
 from ppo_core.rollout import prompt_token_ids  # noqa: E402
 from ppo_core.run.precision import resolve_precision  # noqa: E402
+from ppo_core.update import fresh_first_minibatch  # noqa: E402
 
 
 def linear_weights(mc) -> list[tuple[int, int]]:
@@ -112,7 +115,10 @@ def main():
 
         rows = len(samples) // args.iterations
         critic = cfg.adv_estimator == "gae"
-        score_passes = (0 if cfg.old_logprobs_from_rollout else 1) + 1  # old (policy) + reference log-probs
+        # old (policy) + reference log-probs; the policy skips the update's first minibatch where that minibatch's
+        # forward gives its old log-probs (update.fresh_first_minibatch): the other rows' share of the tokens, about
+        old_share = 1 - cfg.minibatch_size / rows if fresh_first_minibatch(cfg, rows, torch.Generator()) is not None else 1
+        score_passes = (0 if cfg.old_logprobs_from_rollout else old_share) + 1
         per_phase = {"generate": [], "score": [], "update": []}
         flops = {"generate": [], "score": [], "update": []}
         for it, m in enumerate(metrics):
