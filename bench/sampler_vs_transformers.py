@@ -63,8 +63,8 @@ def row_stats(name, rows, texts, lengths, ended):
 def ppo_core_samples(policy, tokenizer, rows, cfg, samples, autocast):
     texts, lengths, ended = [], [], []
     for s in range(samples):
-        _, _, _, mask, t, e = sample_responses(policy, tokenizer, rows, cfg, torch.Generator().manual_seed(1000 + s),
-                                               autocast=autocast)
+        out = sample_responses(policy, tokenizer, rows, cfg, torch.Generator().manual_seed(1000 + s), autocast=autocast)
+        mask, t, e = out.response_mask, out.texts, out.ended
         texts += t
         lengths += mask.sum(-1).int().tolist()
         ended += e.tolist()

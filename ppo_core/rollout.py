@@ -222,7 +222,7 @@ def evaluate_rows(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=F
             scores.append(played.scores)
             responses += played.responses
             continue
-        *_, texts, _ = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast)
+        texts = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy, autocast=autocast).texts
         with autocast():
             scores.append(reward_source([prompt_text(r) for r in batch], texts, columns_of(batch))[0])
         responses += texts
@@ -251,7 +251,7 @@ def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, auto
     model = policy if reference is policy else reference
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with lora.adapters_disabled(policy) if reference is policy else contextlib.nullcontext():
-        *_, texts, _ = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator, autocast=autocast)
+        texts = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator, autocast=autocast).texts
     out = list(rows)
     for i, text in zip(missing, texts):
         out[i] = {**rows[i], column: text}  # a copy: a prompt file's row is drawn again in later passes
@@ -315,20 +315,18 @@ def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generat
     if cfg.environment:
         return play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows)
     t0 = time.perf_counter()
-    prompt_ids, prompt_mask, tokens, response_mask, responses, ended, *decoded = sample_responses(
-        policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded, autocast=autocast,
-        decode_logprobs=records_decode_logprobs(cfg))
-    decode_logprobs, decode_entropy = decoded[0] if decoded else (None, None)
+    out = sample_responses(policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows, encoded=encoded,
+                           autocast=autocast, decode_logprobs=records_decode_logprobs(cfg))
     generate_s = time.perf_counter() - t0  # sample_responses ends with a host read of the tokens: nothing in flight
     texts = [prompt_text(r) for r in prompt_rows]
     with autocast():  # a reward model scores under the same autocast as the policy passes
         # [B] float32 (on the CPU for a reward function), validated; and each component's per-sample values
-        scores, reward_metrics = reward_source(texts, responses, columns_of(prompt_rows))
-    device = tokens.device
+        scores, reward_metrics = reward_source(texts, out.texts, columns_of(prompt_rows))
+    device = out.tokens.device
     numbers = {k: v.float().to(device) for k, v in reward_metrics.items() if isinstance(v, torch.Tensor)}
     words = {k: list(v) for k, v in reward_metrics.items() if not isinstance(v, torch.Tensor)}  # lists of B str
-    return Sampled(prompt_rows, texts, responses, prompt_ids, prompt_mask, tokens, response_mask, ended, scores.to(device),
-                   numbers, words, generate_s, decode_logprobs, decode_entropy)
+    return Sampled(prompt_rows, texts, out.texts, out.prompt_ids, out.prompt_mask, out.tokens, out.response_mask,
+                   out.ended, scores.to(device), numbers, words, generate_s, out.decode_logprobs, out.decode_entropy)
 
 
 @dataclass
@@ -359,11 +357,24 @@ def records_decode_logprobs(cfg) -> bool:
     return cfg.old_logprobs_from_rollout or cfg.off_policy_correction != "none"
 
 
+@dataclass
+class Responses:
+    """What sample_responses returns: B prompts left-padded to P, one response each right-padded to R."""
+
+    prompt_ids: torch.Tensor  # [B, P] int64
+    prompt_mask: torch.Tensor  # [B, P] bool
+    tokens: torch.Tensor  # [B, R] int64
+    response_mask: torch.Tensor  # [B, R] float32: 1 up to and including the first EOS
+    texts: list  # B decoded responses
+    ended: torch.Tensor  # [B] bool, the response ends with an EOS
+    decode_logprobs: torch.Tensor | None = None  # [B, R] float32, the decoding pass's (decode_logprobs=True)
+    decode_entropy: torch.Tensor | None = None  # [B, R] float32, likewise
+
+
 def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0, rows=None, encoded=None,
-                     autocast=contextlib.nullcontext, decode_logprobs=False):
-    """Generate one response per prompt. -> (prompt ids, prompt mask, response tokens [B, R],
-    response_mask [B, R], decoded responses, ended_with_eos [B]), and with decode_logprobs a seventh item: the
-    decoding pass's (log-probs, entropy) [B, R] float32 of the sampled tokens (0 after the response).
+                     autocast=contextlib.nullcontext, decode_logprobs=False) -> Responses:
+    """Generate one response per prompt -> Responses; with decode_logprobs also the decoding pass's log-probs and
+    entropy of the sampled tokens (0 after the response).
 
     rows = (offset, global_batch): these prompts are rows offset.. of a batch of global_batch spread
     over processes; sampling noise is drawn for the global batch, so every row gets the same tokens
@@ -392,9 +403,8 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
     response_mask = (~after_eos).float()
     ended_with_eos = is_eos.any(-1)
     texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(tokens.cpu(), response_mask.cpu())]
-    if decode_logprobs:
-        return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos, (out[1], out[2])
-    return prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos
+    return Responses(prompt_ids, prompt_mask, tokens, response_mask, texts, ended_with_eos,
+                     *((out[1], out[2]) if decode_logprobs else ()))
 
 
 def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id, rows, decode_logprobs):

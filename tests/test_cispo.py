@@ -327,7 +327,8 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     gen = torch.Generator().manual_seed(0)
     sizes = {"rollout_batch_size": "6", "minibatch_size": "6", "micro_batch_size": "6"}
     cfg0 = build_config({}, sizes)
-    prompt_ids, prompt_mask, tokens, rm, _, _ = sample_responses(policy, tok, eval_prompts(6, 0), cfg0, gen)
+    out = sample_responses(policy, tok, eval_prompts(6, 0), cfg0, gen)
+    prompt_ids, prompt_mask, tokens, rm = out.prompt_ids, out.prompt_mask, out.tokens, out.response_mask
     ids, am, P = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, rm.bool()], 1), prompt_ids.shape[1]
     logp = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach()
     old = logp - 0.3 * torch.rand(rm.shape, generator=gen) * rm  # ratios up to e^0.3: some weights clipped

@@ -65,8 +65,8 @@ def rollout():
     tok, policy = load_tokenizer(DEMO_CHECKPOINT), load_model(DEMO_CHECKPOINT)
     gen = torch.Generator().manual_seed(0)
     sizes = {"rollout_batch_size": "6", "minibatch_size": "6", "micro_batch_size": "6"}
-    prompt_ids, prompt_mask, tokens, rm, _, _ = sample_responses(policy, tok, eval_prompts(6, 0), build_config({}, sizes),
-                                                                 gen)
+    out = sample_responses(policy, tok, eval_prompts(6, 0), build_config({}, sizes), gen)
+    prompt_ids, prompt_mask, tokens, rm = out.prompt_ids, out.prompt_mask, out.tokens, out.response_mask
     ids, am, P = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, rm.bool()], 1), prompt_ids.shape[1]
     logp = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach()
     old = logp + 0.5 * (torch.rand(rm.shape, generator=gen) - 0.5) * rm  # ratios e^-0.25 .. e^0.25
