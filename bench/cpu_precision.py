@@ -3,7 +3,7 @@
     python bench/cpu_precision.py             # one thread (the trainer's default), about a minute
     python bench/cpu_precision.py --threads 2
 
-dtype='auto' turns on bf16 autocast on CPUs with AMX or AVX512-BF16 (ppo_core.run.precision.resolve_precision). Autocast
+dtype='auto' turns on bf16 autocast on CPUs with AMX or AVX512-BF16 (ppo_core.models.precision.resolve_precision). Autocast
 would also run attention (torch's CPU flash kernel) in bf16; ppo_core.models.model.attention computes it in fp32 on the
 CPU instead, and generate keeps a float32 KV cache there, because of the rows below: on the CPU this project was
 measured on, bf16 attention is the slower one while bf16 matmuls are the faster one. Each row times an op in fp32
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--seq", type=int, default=96)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from ppo_core.run.precision import bf16_matmul_hardware
+    from ppo_core.models.precision import bf16_matmul_hardware
     print(f"torch {torch.__version__}, {args.threads} thread(s), bf16 matmul hardware: "
           f"{bf16_matmul_hardware('cpu') or 'none'}; batch {args.batch}, {args.seq} tokens")
     print(f"{'shape':14} {'op':36} {'fp32 ms':>9} {'bf16 ms':>9} {'bf16 / fp32':>12}")

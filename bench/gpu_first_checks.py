@@ -95,7 +95,7 @@ def prompts(vocab, device, B=6, P=10, seed=0):
 # ------------------------------------------------------------------------------------------------ the checks
 def check_dispatch(device):
     from ppo_core.config import build_config
-    from ppo_core.run.precision import precision_line, resolve_precision
+    from ppo_core.models.precision import precision_line, resolve_precision
     import ppo_kernels
     from ppo_kernels import linear_logprobs
 

@@ -45,7 +45,7 @@ from ppo_core import train  # noqa: E402
 from ppo_core.config import build_config, load_toml  # noqa: E402
 from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
 from ppo_core.rollout import prompt_token_ids  # noqa: E402
-from ppo_core.run.precision import resolve_precision  # noqa: E402
+from ppo_core.models.precision import resolve_precision  # noqa: E402
 from ppo_core.update import fresh_first_minibatch  # noqa: E402
 
 

@@ -6,7 +6,7 @@ bare, medians of 20 calls after 2 warm-up calls (the goal: under 100 ms of overh
 
 "bare" is `python3 -I -S -u -c "print(1)"` through subprocess.run, with the interpreter the sandbox uses: the cost
 of starting Python, which no sandbox can avoid. "run_code" adds the namespaces (unshare), the setup interpreter
-that makes the mounts read-only and drops privileges (ppo_core.agents.sandbox._sandbox_init), and the bounded reading of
+that makes the mounts read-only and drops privileges (ppo_core.rewards.sandbox._sandbox_init), and the bounded reading of
 the output. Calls run one after the other; a SandboxPool runs them side by side.
 """
 import argparse
@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import time
 
-from ppo_core.agents import sandbox
+from ppo_core.rewards import sandbox
 
 
 def cpu_name() -> str:

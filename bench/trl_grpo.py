@@ -62,7 +62,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from bench.packed_passes import cpu_name  # noqa: E402  (bench/ is off the path, the repository root on it)
 from ppo_core import load_model, load_tokenizer  # noqa: E402
 from ppo_core.config import build_config, load_toml, rollout_rows  # noqa: E402
-from ppo_core.run.precision import resolve_precision  # noqa: E402
+from ppo_core.models.precision import resolve_precision  # noqa: E402
 from ppo_core.data.prompts import load_rows, split_held_out  # noqa: E402
 from ppo_core.rewards.source import make_reward_source  # noqa: E402
 from ppo_core.rollout import evaluate, prompt_token_ids  # noqa: E402

@@ -136,7 +136,7 @@ class PPOConfig:
     reward_url with it. Needs rollout_engine='paged' and a chat template in the policy's tokenizer."""
     tools: str = "calculator,python"
     """With environment='tools': the tools offered, comma-separated: 'calculator', 'python' (code run in the sandbox,
-    ppo_core.agents.sandbox)."""
+    ppo_core.rewards.sandbox)."""
     max_tool_calls_per_turn: int = 8
     """With environment='tools': the tool calls run in one turn at most; the rest are not run, answered with one line
     saying so and counted (env/calls_not_run). Bounds what one turn can cost (a Python call runs up to its timeout)."""
@@ -791,7 +791,7 @@ def _problems(cfg: PPOConfig) -> list[str]:
     need(cfg.judge_temperature >= 0, "judge_temperature", "must be >= 0 (0 = greedy)")
     need(not cfg.judge_score_range or (len(cfg.judge_score_range) == 2 and cfg.judge_score_range[0] < cfg.judge_score_range[1]),
          "judge_score_range", "must be empty or two numbers lo,hi with lo < hi")
-    for url in cfg.reward_url:  # the value is printed redacted (ppo_core.run.redact), never as given
+    for url in cfg.reward_url:  # the value is printed redacted (ppo_core.rewards.redact), never as given
         http = url.lower().startswith(("http://", "https://"))
         need(http, "reward_url", f"must hold http:// or https:// URLs, not {url!r}")
         need(not http or url_host_port(url), "reward_url", "holds a URL whose host or port cannot be read: a # / ? "

@@ -37,7 +37,7 @@ from .rewards.verifiers import (extract_answer, extract_boxed, extract_gsm8k, ex
                                 parse_number)
 from .rollout import EVAL_SEED_OFFSET, evaluate_rows, needs_reference_responses
 from .run import checkpoint, runlog
-from .run.precision import resolve_precision
+from .models.precision import resolve_precision
 from .train import (DEMO_CHECKPOINTS, check_chat_template, check_paths, checkpoint_of, encoded_lengths, fit_context,
                     make_reward_sources, prompt_rows, torch_threads)
 

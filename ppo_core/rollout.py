@@ -38,7 +38,7 @@ import torch
 
 from . import algo
 from .models import lora
-from .run import distributed as dist
+from .models import distributed as dist
 from .config import rollout_rows
 from .engine import RolloutEngine
 from .agents.environments import make_environment, render, reset_messages, run_episodes

@@ -49,14 +49,14 @@ import torch
 from . import algo
 from .run import checkpoint, plan
 from .models import lora
-from .run import distributed as dist
+from .models import distributed as dist
 from .run import recording, rollout_worker, runlog, tracking
-from .run.redact import forget_secrets, redact, remember_secrets
+from .rewards.redact import forget_secrets, redact, remember_secrets
 from .run.rollout_worker import RolloutClient
 from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, to_dict, load_toml, parse_cli,
                      rollout_rows, uses_critic)
 from .models.model import CheckpointError, load_model, load_score_model, read_config
-from .run.precision import loss_paths, precision_line, resolve_precision
+from .models.precision import loss_paths, precision_line, resolve_precision
 from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
 from .rewards.remote import API_KEY_ENV, PROXY_AUTH_ENV, RewardUnavailable
 from .rewards.source import make_reward_source
@@ -951,7 +951,7 @@ def run_path(cfg, resume):
 
 
 def say(line):
-    """One line on stderr, its credentials redacted (ppo_core.run.redact): every line main() prints."""
+    """One line on stderr, its credentials redacted (ppo_core.rewards.redact): every line main() prints."""
     print(redact(line), file=sys.stderr)
 
 

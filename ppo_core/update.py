@@ -30,7 +30,7 @@ import torch
 import ppo_kernels
 
 from . import algo
-from .run import distributed as dist
+from .models import distributed as dist
 from .config import PPOConfig
 from .data.packing import Packed, balanced_split, pack_rows, token_budget_micro_batches
 from .heads import micro_batches, response_head, response_labels, response_values

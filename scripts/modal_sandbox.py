@@ -1,13 +1,13 @@
-"""The sandbox's modal backend: `ppo_core.agents.sandbox.run_code(code, backend="modal")` runs the program here, in a Modal
+"""The sandbox's modal backend: `ppo_core.rewards.sandbox.run_code(code, backend="modal")` runs the program here, in a Modal
 Sandbox with outbound network blocked (`block_network=True`, gVisor), a memory limit and a lifetime, with the program
 and its files written in and both output streams read back with the local backend's bounds.
 
     pip install modal && modal token new        # once
-    python -c "from ppo_core.agents.sandbox import run_code; print(run_code('print(1)', backend='modal'))"
+    python -c "from ppo_core.rewards.sandbox import run_code; print(run_code('print(1)', backend='modal'))"
 
-The library never imports modal (tests/test_modal_reward.py checks it); ppo_core.agents.sandbox loads this file from the
+The library never imports modal (tests/test_modal_reward.py checks it); ppo_core.rewards.sandbox loads this file from the
 repository when the modal backend is asked for. The pure parts it uses (the arguments of Sandbox.create and exec, the
-command, the result) are ppo_core.agents.sandbox's and are tested offline (tests/test_sandbox.py).
+command, the result) are ppo_core.rewards.sandbox's and are tested offline (tests/test_sandbox.py).
 """
 import concurrent.futures
 import functools
@@ -18,7 +18,7 @@ import time
 import modal
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ppo_core.agents.sandbox import (MAIN, MODAL_APP_NAME, MODAL_PYTHON_VERSION, MODAL_WORKDIR,  # noqa: E402
+from ppo_core.rewards.sandbox import (MAIN, MODAL_APP_NAME, MODAL_PYTHON_VERSION, MODAL_WORKDIR,  # noqa: E402
                               BoundedOutput, SandboxResult, drain_into, modal_command, modal_exec_args, modal_result,
                               modal_sandbox_args)
 
@@ -30,7 +30,7 @@ def _modal_app_and_image():
 
 
 def run(code: str, stdin: bytes, timeout_s: float, memory_mb: int, files: dict) -> SandboxResult:
-    """ppo_core.agents.sandbox.run_code(backend='modal'): the program in a Modal Sandbox, bounded as locally."""
+    """ppo_core.rewards.sandbox.run_code(backend='modal'): the program in a Modal Sandbox, bounded as locally."""
     app, image = _modal_app_and_image()
     start = time.monotonic()
     sandbox = modal.Sandbox.create(app=app, image=image, **modal_sandbox_args(timeout_s, memory_mb))

@@ -25,7 +25,7 @@ import ppo_kernels
 import ppo_kernels.loss as loss_module
 from ppo_core import algo
 from ppo_core.config import ConfigError, build_config
-from ppo_core.run.precision import loss_paths
+from ppo_core.models.precision import loss_paths
 from ppo_core.train import DEMO_CHECKPOINT, main
 from ppo_kernels.loss import linear_logprob_loss_reference, linear_logprob_loss_torch
 

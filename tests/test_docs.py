@@ -91,10 +91,10 @@ def test_readme_gives_the_test_suites_time():
 
 def test_the_docs_describe_the_sandboxs_memory_bound_as_the_code_does():
     """docs/agents.md said the sandbox does not bound total memory across processes (no cgroup); the code bounds a
-    call as a whole where it can make a memory cgroup (ppo_core/agents/sandbox.py), as the README and
+    call as a whole where it can make a memory cgroup (ppo_core/rewards/sandbox.py), as the README and
     docs/reliability.md say."""
     assert "the bound on a call as a whole is memory_mb only where it runs in a cgroup" in _words(
-        "ppo_core", "agents", "sandbox.py")
+        "ppo_core", "rewards", "sandbox.py")
     for doc in (("README.md",), ("docs", "agents.md"), ("docs", "reliability.md")):
         assert "no cgroup" not in _words(*doc), doc
     agents = _words("docs", "agents.md")

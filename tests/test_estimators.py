@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import ppo_core.train as train
 from ppo_core.config import build_config
 from ppo_core.models.model import load_model
-from ppo_core.run.precision import loss_paths
+from ppo_core.models.precision import loss_paths
 from ppo_core.rewards.source import make_reward_source
 from ppo_core.heads import response_logprobs
 from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, sample_responses
@@ -342,7 +342,7 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     ({"fused_kernels": "false"}, []),
 ])
 def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, knobs, kernels_called):
-    """The run's first lines say which code computes the policy loss (ppo_core.run.precision.loss_paths); here the real
+    """The run's first lines say which code computes the policy loss (ppo_core.models.precision.loss_paths); here the real
     kernels are wrapped to record their calls in one policy_objective, and the line names exactly those (or the
     reference)."""
     import ppo_kernels

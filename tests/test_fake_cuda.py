@@ -199,7 +199,7 @@ def join_cuda_only_group(world=2):
     import torch.distributed as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ppo_core.run import distributed
+    from ppo_core.models import distributed
 
     c10d.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=world)
     distributed._device = torch.device("cuda")  # what distributed.init("cuda") sets (it also needs a real GPU)

@@ -6,7 +6,7 @@ import os
 
 from test_remote_reward import SMALL, ScriptedServer, ppo_train
 
-from ppo_core.run.redact import redact as redact_secrets
+from ppo_core.rewards.redact import redact as redact_secrets
 from ppo_core.run.tracking import public_config
 
 

@@ -1,4 +1,4 @@
-"""Credentials in hostile URLs, round 2 (issue 49, finding 4): one redaction (ppo_core.run.redact) for everything
+"""Credentials in hostile URLs, round 2 (issue 49, finding 4): one redaction (ppo_core.rewards.redact) for everything
 ppo-train prints or writes. Each URL below hides the password Alpha7<c>Bravo9 (or a credential parameter) in a form
 that broke the first redaction: a quote, # / ? @ %40 or a space in the password, an upper-case scheme, a query
 parameter, the URL quoted inside a list's repr. Through the real command paths (a config conflict, an address that
@@ -16,7 +16,7 @@ import pytest
 from test_remote_reward import SMALL, ScriptedServer, ppo_train
 from test_tracking import wandb_home  # noqa: F401 (a fixture)
 
-from ppo_core.run.redact import forget_secrets, redact, redact_url, remember_secrets
+from ppo_core.rewards.redact import forget_secrets, redact, redact_url, remember_secrets
 from ppo_core.train import main, redacted_excepthook
 
 HALVES = ("Alpha7", "Bravo9")  # a password's two halves: neither may be seen, whatever split the URL

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ppo_core.agents import sandbox
+from ppo_core.rewards import sandbox
 from ppo_core.config import ConfigError, build_config
 from ppo_core.engine import RolloutEngine
 from ppo_core.agents.environments import ToolEnvironment, make_environment, run_episodes
@@ -178,7 +178,7 @@ def test_the_trainers_checkout_and_working_directory_are_not_visible(monkeypatch
     os.chmod(f"{workdir}/run.txt", 0o644)
     monkeypatch.chdir(workdir)
     try:
-        program = (f"import os\nfor path in [{ROOT!r} + '/ppo_core/agents/sandbox.py', {workdir!r} + '/run.txt']:\n"
+        program = (f"import os\nfor path in [{ROOT!r} + '/ppo_core/rewards/sandbox.py', {workdir!r} + '/run.txt']:\n"
                    "    try:\n        print(len(open(path).read()))\n"
                    "    except OSError as e:\n        print(type(e).__name__)\n"
                    f"for folder in [{ROOT!r}, {workdir!r}]:\n"

@@ -6,8 +6,10 @@ Every import in ppo_core/ and kernels/ (the ppo_kernels package), at the top of 
 arrow from one module to another. No module may reach itself by following them: a module that imports one that
 imports it back, directly or through others, is a circle, and a circle means neither file can be read, tested or
 changed on its own. The top of ppo_core/ holds the files a researcher edits (the loop: train, rollout, update; and
-config, algo) and the subpackages; nothing below the top imports the loop. bench/ and scripts/ stand above the packages and use only the names their modules export on
-purpose, never an underscore helper.
+config, algo) and the subpackages; nothing below the top imports the loop. The subpackages stand in one order,
+models, engine, data, rewards, agents, run from the bottom, and import only down it (ppo_kernels below them all).
+bench/ and scripts/ stand above the packages and use only the names their modules export on purpose, never an
+underscore helper.
 """
 import ast
 import os
@@ -144,6 +146,38 @@ LOOP = {"ppo_core.train", "ppo_core.rollout", "ppo_core.update"}
 # Arrows from below into the loop, each named here to be removed, never added to (none now: the rollout worker is
 # handed the loop's rollout by ppo_core.train.serve_rollouts instead of importing it).
 KNOWN_ARROWS_INTO_THE_LOOP = set()
+
+
+# The subpackages, bottom to top: an import between two of them goes down this list, never up (README's code map).
+SUBPACKAGE_ORDER = ["models", "engine", "data", "rewards", "agents", "run"]
+
+
+def subpackage_of(module: str):
+    """'ppo_core.rewards.judges' -> 'rewards'; None for a top-level module or ppo_kernels (below them all)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "ppo_core" and len(parts) > 1 and parts[1] in SUBPACKAGE_ORDER else None
+
+
+def upward_imports(graph) -> list:
+    """'a -> b' for each import from a subpackage to one above it in SUBPACKAGE_ORDER."""
+    rank = {name: i for i, name in enumerate(SUBPACKAGE_ORDER)}
+    return sorted(f"{m} -> {t}" for m in graph for t in graph[m]
+                  if subpackage_of(m) and subpackage_of(t) and rank[subpackage_of(t)] > rank[subpackage_of(m)])
+
+
+def test_subpackages_import_one_way_down_their_order():
+    graph = import_graph()
+    folder = PACKAGES["ppo_core"]
+    found = {d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "__init__.py"))}
+    assert found == set(SUBPACKAGE_ORDER), f"subpackages {sorted(found)}: place each in SUBPACKAGE_ORDER"
+    assert not upward_imports(graph), "imports up the subpackage order: " + ", ".join(upward_imports(graph))
+    assert not any(t.startswith("ppo_core") for m in graph if m.startswith("ppo_kernels") for t in graph[m])
+
+
+def test_an_upward_import_is_seen():
+    """The check above on a made-up graph: engine importing run is upward, run importing models is not."""
+    graph = {"ppo_core.engine.x": {"ppo_core.run.y"}, "ppo_core.run.y": {"ppo_core.models.z"}}
+    assert upward_imports(graph) == ["ppo_core.engine.x -> ppo_core.run.y"]
 
 
 def test_the_forward_heads_sit_below_both_passes():

@@ -426,7 +426,7 @@ def test_reward_model_packed_scores_equal_padded_scores(reward_model_dir):
 SHARDED_DRIVER = """
 import json, sys
 import torch
-from ppo_core.run import distributed as dist
+from ppo_core.models import distributed as dist
 from ppo_core.config import build_config
 from ppo_core.rewards.reward_model import RewardModelReward
 path, out, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

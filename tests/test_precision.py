@@ -20,7 +20,7 @@ import torch
 import ppo_core
 from ppo_core import train
 from ppo_core.config import build_config
-from ppo_core.run.precision import bf16_matmul_hardware, precision_line, resolve_precision
+from ppo_core.models.precision import bf16_matmul_hardware, precision_line, resolve_precision
 from ppo_core.models.model import Backbone, KVCache, Linear, can_pack_for_cpu, cpu_packed_linears, onednn_bf16_supported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,7 @@ def cpu_flags():
 # Environment settings that make torch and oneDNN on any x86 CPU behave as on an AVX2-only one (e.g. AMD Zen 3):
 # ATen's vectorised kernels at AVX2, oneDNN capped at AVX2 (so it runs no bf16: packing bf16 weights raises there).
 AS_ON_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-RESOLVE_AUTO = ("import json; from ppo_core.run import precision; from ppo_core.config import build_config; "
+RESOLVE_AUTO = ("import json; from ppo_core.models import precision; from ppo_core.config import build_config; "
                 "p = precision.resolve_precision(build_config(overrides={'device': 'cpu'})); "
                 "print(json.dumps({**p.describe(), 'line': precision.precision_line(p)}))")
 
@@ -80,7 +80,7 @@ def test_auto_turns_on_bf16_autocast_exactly_on_cpus_where_onednn_runs_amx_or_av
 def test_auto_follows_the_probes_on_every_cpu(monkeypatch, onednn, amx, avx512_bf16, expected):
     """Both branches of dtype='auto' on every machine, the probes' answers forced: bf16 only where oneDNN runs bf16
     and the CPU has AMX or AVX512-BF16; and each run's first lines name the kernels bf16-mixed runs on."""
-    monkeypatch.setattr(ppo_core.run.precision, "onednn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(ppo_core.models.precision, "onednn_bf16_supported", lambda: onednn)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert bf16_matmul_hardware("cpu") == expected

@@ -20,7 +20,7 @@ import torch
 
 from ppo_core.config import build_config
 from ppo_core.models.model import load_score_model
-from ppo_core.run.precision import resolve_precision
+from ppo_core.models.precision import resolve_precision
 from ppo_core.rewards.remote import RemoteReward
 from ppo_core.rewards.source import make_reward_source
 from ppo_core.rewards.interface import RewardError

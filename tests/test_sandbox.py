@@ -1,4 +1,4 @@
-"""ppo_core.agents.sandbox: programs the policy might write, hostile ones included. Each runs in the real sandbox
+"""ppo_core.rewards.sandbox: programs the policy might write, hostile ones included. Each runs in the real sandbox
 (namespaces, read-only mounts, rlimits, its own uid) and comes back as a failed SandboxResult, in time, while this
 process and the machine are unharmed: an endless loop, a fork bomb, a daemon that outlives its parent, 2 GB of
 memory, a connection to this process's socket, writes outside the working directory, a look at the trainer's
@@ -23,8 +23,8 @@ import uuid
 
 import pytest
 
-from ppo_core.agents import sandbox
-from ppo_core.agents.sandbox import (
+from ppo_core.rewards import sandbox
+from ppo_core.rewards.sandbox import (
     CHILD_ENV, MAX_PROCESSES, OUTPUT_KILL_BYTES, OUTPUT_LIMIT_BYTES, BoundedOutput, SandboxPool, SandboxResult,
     SandboxUnavailable, run_code,
 )
@@ -336,7 +336,7 @@ def test_the_user_namespace_fallback_as_an_unprivileged_user(tmp_path):
     python = shutil.which("python3", path=sandbox.SYSTEM_PATH)
     module = os.path.abspath(sandbox.__file__)
     if python is None or not readable_by_others(module):
-        pytest.skip("no system python3, or ppo_core/agents/sandbox.py is not readable by others")
+        pytest.skip("no system python3, or ppo_core/rewards/sandbox.py is not readable by others")
     tag = uuid.uuid4().hex
     nobody = pwd.getpwnam("nobody")
     command = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups", "--",

@@ -1,6 +1,6 @@
 """Tool calls and the code reward: parsing hand-written assistant texts, the calculator against hand-worked values
 and its refusals, the error observations and their counts, the Python tool and the code reward through the real
-sandbox (ppo_core/agents/sandbox.py: real processes, no mocks), and the code reward loaded as ppo-train loads it."""
+sandbox (ppo_core/rewards/sandbox.py: real processes, no mocks), and the code reward loaded as ppo-train loads it."""
 import json
 import os
 import time
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ppo_core.agents import sandbox
+from ppo_core.rewards import sandbox
 from ppo_core.rewards.code_tests import CodeTests, extract_code, split_tests
 from ppo_core.config import build_config
 from ppo_core.rewards.source import make_reward_source
@@ -28,7 +28,7 @@ from ppo_core.agents.tools import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the Python tool and the code reward run code in ppo_core.agents.sandbox, which refuses to run on a machine that cannot
+# the Python tool and the code reward run code in ppo_core.rewards.sandbox, which refuses to run on a machine that cannot
 # isolate it (no unshare, no user namespaces): there those tests have nothing to check
 ISOLATION = sandbox.isolation()
 needs_sandbox = pytest.mark.skipif(ISOLATION.startswith("none"), reason=f"no sandbox on this machine: {ISOLATION}")
@@ -268,7 +268,7 @@ def test_python_tool_times_out_plainly():
 
 @needs_sandbox
 def test_python_tool_bounds_its_observation_and_runs_through_a_pool():
-    from ppo_core.agents.sandbox import SandboxPool
+    from ppo_core.rewards.sandbox import SandboxPool
 
     tool = PythonTool(SandboxPool(2), max_chars=100)
     out = tool({"code": "print('x' * 1000)"})

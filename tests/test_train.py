@@ -10,7 +10,7 @@ import torch
 
 import background
 import ppo_core
-from ppo_core.run.precision import bf16_matmul_hardware
+from ppo_core.models.precision import bf16_matmul_hardware
 from ppo_core.train import DEMO_CHECKPOINT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

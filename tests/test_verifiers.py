@@ -220,13 +220,16 @@ def test_extract_answer_order_and_whitespace():
 
 
 def test_docstring_examples():
-    """The examples in the module's docstrings are right (they are what a reader copies)."""
+    """The examples in the docstrings are right (they are what a reader copies): the verifiers' and those of the
+    number reading they share with the built-in tasks (ppo_core.data.numbers)."""
     import doctest
 
+    import ppo_core.data.numbers
     import ppo_core.rewards.verifiers
 
-    failures, tried = doctest.testmod(ppo_core.rewards.verifiers)
-    assert failures == 0 and tried >= 19
+    results = [doctest.testmod(m) for m in (ppo_core.rewards.verifiers, ppo_core.data.numbers)]
+    assert sum(r.failed for r in results) == 0 and min(r.attempted for r in results) >= 5
+    assert sum(r.attempted for r in results) >= 19
 
 
 @pytest.mark.parametrize("response, answer, expected", [

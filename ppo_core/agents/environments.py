@@ -265,17 +265,6 @@ def capped(messages, max_chars):
     return kept, len(cut)
 
 
-class EpisodeRewards:
-    """The run's reward source when an environment scores its episodes (ppo_core.rewards.source): nothing to check,
-    nothing to call (ppo_core.rollout.play_episodes takes the episodes' rewards)."""
-
-    def check_columns(self, names):
-        """The environment reads the columns itself."""
-
-    def __call__(self, prompts, responses, columns=None):
-        raise RuntimeError("episodes are scored by their environment (ppo_core.rollout.play_episodes)")
-
-
 class ToolEnvironment:
     """Tools until an answer: each turn's <tool_call> blocks are run (ppo_core.agents.tools.run_tool_calls) and their outputs
     come back as `tool` messages (reward 0); a turn without a tool call is the answer, scored 1.0 when, stripped, it

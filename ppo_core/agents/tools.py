@@ -345,10 +345,10 @@ class Calculator:
 
 
 class PythonTool:
-    """Runs the model's Python code in the sandbox (ppo_core.agents.sandbox.run_code: its own process, no network, no
+    """Runs the model's Python code in the sandbox (ppo_core.rewards.sandbox.run_code: its own process, no network, no
     trainer environment, rlimits, a wall-clock timeout) and answers with what it printed.
 
-    pool: a ppo_core.agents.sandbox.SandboxPool, or None to call run_code directly; a pool bounds how many sandboxes run at
+    pool: a ppo_core.rewards.sandbox.SandboxPool, or None to call run_code directly; a pool bounds how many sandboxes run at
     once when many episodes call the tool from their own threads. timeout_s, memory_mb: the sandbox's limits.
     max_chars: the observation's length bound; a longer one keeps its head and tail (a traceback's last line is the
     one that says what went wrong) with the number of characters cut in between.
@@ -371,7 +371,7 @@ class PythonTool:
         self.pool, self.timeout_s, self.memory_mb, self.max_chars = pool, timeout_s, memory_mb, max_chars
 
     def __call__(self, arguments: dict) -> str:
-        from .sandbox import SETUP_FAILED, run_code  # imported by the tool that runs code, not by every user of tools
+        from ..rewards.sandbox import SETUP_FAILED, run_code  # imported by the tool that runs code, not by every user of tools
 
         code = _required_string(arguments, "code")
         if self.pool is not None:

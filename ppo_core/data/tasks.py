@@ -31,7 +31,7 @@ import random
 import re
 import string
 
-from ..rewards.verifiers import extract_gsm8k, numbers_equal
+from .numbers import extract_gsm8k, numbers_equal
 
 ALPHABET = string.ascii_lowercase
 SEPARATOR = "="

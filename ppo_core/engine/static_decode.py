@@ -53,7 +53,7 @@ from torch.profiler import record_function
 from ppo_kernels import backend
 from ppo_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
-from ..run.distributed import is_sharded
+from ..models.distributed import is_sharded
 
 GRAPH_WARMUP = 2
 """Eager runs of a bucket's step on a side stream before its capture: nothing may be created lazily during a capture

@@ -44,7 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .model import Linear, PretrainedMixin, ScoreModel
-from ..run.plan import LORA_TARGETS
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every block's linears
 
 
 class LoRALinear(Linear):
@@ -98,7 +99,7 @@ def _replace(model, name, module):
 def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS, dropout: float = 0.0, *,
              trainable_extra=None, dtype=torch.float32, generator=None):
     """Freeze every parameter of `model` and put a rank-`rank` adapter on each Linear whose name ends in one of
-    `targets` (default: q/k/v/o and gate/up/down of every block, ppo_core.run.plan.LORA_TARGETS). In place;
+    `targets` (default: q/k/v/o and gate/up/down of every block, LORA_TARGETS). In place;
     returns the model.
 
     alpha: the update is scaled by alpha / rank; None means alpha = rank (scale 1).

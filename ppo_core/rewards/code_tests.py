@@ -5,7 +5,7 @@
 
 The response's code is its last ```python (or ```py, or bare ```) fenced block, else the whole response. The row's
 `tests` column is a string of test code (one test) or a list of such strings (one test each; a string holding a JSON
-array of strings counts as that list). Each test is one sandbox run (ppo_core.agents.sandbox.run_code: no network, none of
+array of strings counts as that list). Each test is one sandbox run (ppo_core.rewards.sandbox.run_code: no network, none of
 the trainer's environment variables, rlimits, a wall-clock timeout): the code is written to `solution.py`, and the
 program run is
 
@@ -36,7 +36,7 @@ import secrets
 
 # Imported by the package's absolute name, so that this file also loads by its path
 # (--reward_fn=ppo_core/rewards/code_tests.py:code_tests), where a relative import has no package to be relative to.
-from ppo_core.agents.sandbox import SETUP_FAILED, SandboxPool
+from ppo_core.rewards.sandbox import SETUP_FAILED, SandboxPool
 
 # ``` then an optional python / python3 / py tag, the rest of the fence line blank, the code, the closing ```
 _FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

@@ -29,10 +29,13 @@ MOVED_MODULES = {
     "rewards": "rewards.interface", "reward_source": "rewards.source", "reward_functions": "rewards.functions",
     "reward_model": "rewards.reward_model", "judges": "rewards.judges", "remote_reward": "rewards.remote",
     "reward_server": "rewards.server", "verifiers": "rewards.verifiers", "code_reward": "rewards.code_tests",
-    "environments": "agents.environments", "tools": "agents.tools", "sandbox": "agents.sandbox",
-    "prompts": "data.prompts", "tasks": "data.tasks", "packing": "data.packing", "distributed": "run.distributed",
+    "environments": "agents.environments", "tools": "agents.tools", "sandbox": "rewards.sandbox",
+    "prompts": "data.prompts", "tasks": "data.tasks", "packing": "data.packing", "distributed": "models.distributed",
     "rollout_worker": "run.rollout_worker", "checkpoint": "run.checkpoint", "runlog": "run.runlog",
-    "tracking": "run.tracking", "plan": "run.plan", "precision": "run.precision",
+    "tracking": "run.tracking", "plan": "run.plan", "precision": "models.precision",
+    # and out of run/ and agents/ so that subpackages import one way (issue 52)
+    "run.distributed": "models.distributed", "run.precision": "models.precision", "run.redact": "rewards.redact",
+    "agents.sandbox": "rewards.sandbox",
 }
 
 

@@ -10,7 +10,7 @@ answer back with the checks a local reward function gets.
 Credentials: the server's shared key from the environment variable PPO_REWARD_API_KEY, sent as
 `Authorization: Bearer KEY` (never from the config, which the run directory records); a URL's own user:password@
 goes as HTTP Basic instead; a Modal proxy auth token as Modal-Key / Modal-Secret (proxy_auth_headers). Every URL
-this module prints is redact_url's (ppo_core.run.redact): credentials replaced by ***.
+this module prints is redact_url's (ppo_core.rewards.redact): credentials replaced by ***.
 
 Several URLs: the batch is split into len(urls) contiguous chunks, chunk k posted to urls[(k + start) % n] at the
 same time (the servers score in parallel, as OpenRLHF spreads a batch over its remote_rm_url list); `start` moves on
@@ -47,7 +47,7 @@ import urllib.parse
 
 import torch
 
-from ..run.redact import redact_url
+from ..rewards.redact import redact_url
 from .interface import CallableReward, RewardError
 
 # The request's own fields (ppo_core.rewards.server); a prompt column of one of these names cannot be sent.
@@ -346,7 +346,7 @@ def _raise_everywhere(failure):
         if failure is not None:
             raise failure
         return
-    from ..run import distributed as dist
+    from ..models import distributed as dist
 
     flag = 0 if failure is None else (2 if isinstance(failure, RewardUnavailable) else 1)
     worst = dist.all_reduce_max_int(flag)

@@ -8,7 +8,7 @@ with cfg.micro_batch_tokens > 0, packed without padding into micro-batches of at
 """
 import torch
 
-from ..run import distributed as dist
+from ..models import distributed as dist
 from ..models.model import load_reward_model
 from ..data.packing import token_budget_micro_batches
 from .interface import RewardError, clip_text

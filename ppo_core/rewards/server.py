@@ -95,7 +95,7 @@ import torch
 
 from ..config import ConfigError, build_config, load_toml, parse_cli
 from ..models.model import CheckpointError
-from ..run.precision import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
+from ..models.precision import precision_line, resolve_precision  # ppo-train's own choice of device, dtype and autocast
 from .remote import API_KEY_ENV, DeadlineReader
 from .source import make_reward_source
 from .interface import RewardError

@@ -6,7 +6,6 @@
 It stands above the sources (ppo_core.rewards.functions, reward_model, judges, remote_reward), which know nothing of
 one another; ppo-train (ppo_core.train) and ppo-serve-reward (ppo_core.rewards.server) build theirs here.
 """
-from ..agents.environments import EpisodeRewards
 from .judges import JudgeReward
 from .remote import RemoteReward
 from .functions import TASK_REWARDS, WeightedReward, import_callable, metric_names
@@ -39,3 +38,14 @@ def make_reward_source(cfg, device="cpu", dtype=None, key="reward_fn"):
         functions = [CallableReward(import_callable(spec, key), spec) for spec in cfg.reward_fn]
         return WeightedReward(functions, list(cfg.reward_weights) or [1.0] * len(functions), metric_names(cfg.reward_fn))
     return WeightedReward([CallableReward(TASK_REWARDS[cfg.task], f"of task '{cfg.task}'")], [1.0], [cfg.task])
+
+
+class EpisodeRewards:
+    """The run's reward source when an environment scores its episodes (cfg.environment): nothing to check, nothing
+    to call (ppo_core.rollout.play_episodes takes the episodes' rewards)."""
+
+    def check_columns(self, names):
+        """The environment reads the columns itself."""
+
+    def __call__(self, prompts, responses, columns=None):
+        raise RuntimeError("episodes are scored by their environment (ppo_core.rollout.play_episodes)")

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from . import distributed as dist
+from ..models import distributed as dist
 from ..models import lora
 from ..models.model import CheckpointError, check_links, read_safetensors
 

@@ -140,11 +140,11 @@ import sys
 
 import torch
 
+from ..models.lora import LORA_TARGETS
 from ..models.model import CausalLM, CheckpointError, ModelArgs, ScoreModel, read_config
 
 GB = 1e9
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo", "reverse-demo")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_OVERHEAD_BYTES = 1 * GB
 
 # bytes per trainable parameter of mixed-precision AdamW, and of a frozen one

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import checkpoint
-from .redact import redact
+from ..rewards.redact import redact
 from .runlog import IGNORED_FOR_IDENTITY, is_rank0, write_json
 from ..config import ConfigError, PPOConfig, to_dict
 from ..models.model import CheckpointError, read_safetensors

@@ -1,5 +1,5 @@
 """Rollout workers: processes of their own that sample and score the rollouts while the trainers train (config
-rollout_ranks; under torchrun the last rollout_ranks processes are workers, ppo_core.run.distributed.split_roles).
+rollout_ranks; under torchrun the last rollout_ranks processes are workers, ppo_core.models.distributed.split_roles).
 
     torchrun --nproc-per-node=2 -m ppo_core.train --rollout_ranks=1 --max_staleness=1 --off_policy_correction=tis
     torchrun --nproc-per-node=8 -m ppo_core.train --rollout_ranks=2 --parallel=fsdp ...   # 6 trainers, 2 workers
@@ -40,7 +40,7 @@ import time
 import torch
 import torch.distributed as torch_dist
 
-from . import distributed as dist
+from ..models import distributed as dist
 from ..models.model import Linear
 
 

@@ -30,10 +30,10 @@ import time
 import torch
 
 from . import checkpoint
-from . import distributed as dist
+from ..models import distributed as dist
 from ..config import PPOConfig, absolute_paths, to_dict
 from ..rewards.functions import specs_as_today
-from .redact import redact
+from ..rewards.redact import redact
 
 
 class RunDirError(RuntimeError):
@@ -41,7 +41,7 @@ class RunDirError(RuntimeError):
 
 
 def is_rank0():
-    """The first process of this role (the trainers': ppo_core.run.distributed.split_roles)."""
+    """The first process of this role (the trainers': ppo_core.models.distributed.split_roles)."""
     return dist.rank() == 0
 
 
@@ -619,7 +619,7 @@ class Logger:
         self.last = time.perf_counter()
 
     def info(self, msg):
-        msg = redact(msg)  # a line may quote a URL of the config (ppo_core.run.redact)
+        msg = redact(msg)  # a line may quote a URL of the config (ppo_core.rewards.redact)
         if self.rank0:
             if self.bar is not None:
                 self.bar.write(msg, file=sys.stderr)

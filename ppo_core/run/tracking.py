@@ -19,7 +19,7 @@ import numbers
 import os
 import secrets
 
-from .redact import redact
+from ..rewards.redact import redact
 from .runlog import is_rank0, truncate_jsonl
 
 REPORT_TO = ("tensorboard", "wandb")
@@ -45,7 +45,7 @@ def parse_report_to(report_to) -> list[str]:
 
 def public_config(config: dict) -> dict:
     """The config without keys that name a secret (api_key, token, ...) and with the credentials in its URLs replaced
-    by *** (ppo_core.run.redact): what trackers may store."""
+    by *** (ppo_core.rewards.redact): what trackers may store."""
     return {k: redact(v) for k, v in config.items() if not set(k.lower().split("_")) & set(SECRET_WORDS)}
 
 

@@ -1,7 +1,7 @@
 """Run code the policy writes: a child process with no network, none of the trainer's secrets, a private /tmp as
 its working directory, a read-only view of the rest of the machine, and limits on time, memory, processes, output.
 
-    from ppo_core.agents.sandbox import run_code, SandboxPool
+    from ppo_core.rewards.sandbox import run_code, SandboxPool
     result = run_code("print(sum(range(10)))")           # result.ok, result.stdout == "45\\n"
     result = run_code("print(input()[::-1])", stdin="abc", timeout_s=2.0, files={"data.txt": "1 2 3"})
     with SandboxPool(max_workers=8) as pool:              # tool calls alongside decoding

@@ -17,7 +17,7 @@ import ppo_kernels
 
 from .. import algo
 from ..config import ConfigError, PPOConfig, uses_critic
-from ..models.model import onednn_bf16_supported
+from .model import onednn_bf16_supported
 
 
 def bf16_matmul_hardware(device) -> str:
