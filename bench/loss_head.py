@@ -3,6 +3,7 @@
     python bench/loss_head.py                      # SmolLM2-135M's head (H 576, V 49152) and a Qwen3-0.6B head
                                                    # (H 1024, V 151936), 2048 rows, bf16 operands and fp32
     python bench/loss_head.py --quick              # tiny shapes: checks that every row runs (seconds)
+    python bench/loss_head.py --only qwen3-0.6b:float32 --rounds 5   # one row, more rounds
 
 "before" is `linear_policy_loss` of commit 86f7a7c (its kernels/ files read with `git show` into a temporary
 package: the PPO loss, KL term and entropy bonus written in closed form inside the kernel); "after" is today's
@@ -111,6 +112,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny shapes: check that every row runs")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (subprocesses) per row")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per subprocess, after one warm-up")
+    parser.add_argument("--only", default=None, help="one row, SHAPE:DTYPE (e.g. qwen3-0.6b:float32)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # a subprocess's job, as JSON
     args = parser.parse_args()
     if args.measure:
@@ -129,6 +131,8 @@ def main():
           f"{'before MiB':>11} {'after MiB':>10}")
     for shape, (H, V) in (QUICK_SHAPES if args.quick else SHAPES).items():
         for dtype in ("bfloat16", "float32"):
+            if args.only and args.only != f"{shape}:{dtype}":
+                continue
             results = {"before": [], "after": []}
             for _ in range(args.rounds):
                 for which in ("before", "after"):
