@@ -106,6 +106,23 @@ def test_json_schema_and_the_total_is_the_sum_of_its_parts(capsys):
 
 
 @needs_configs
+def test_a_teacher_is_one_more_frozen_causal_lm(capsys, tmp_path):
+    """--teacher (on-policy distillation): a frozen CausalLM role whose weights add FROZEN bytes a parameter (bf16) to
+    the model state, and whose forward counts in the scoring working set; ppo-train's config brings it too."""
+    without = run_json(capsys, "--policy", config("Qwen3-0.6B"), "--no-critic")
+    with_teacher = run_json(capsys, "--policy", config("Qwen3-0.6B"), "--no-critic", "--teacher", config("Qwen3-1.7B"))
+    teacher = with_teacher["roles"]["teacher"]
+    assert teacher["model"] == "CausalLM" and teacher["trainable"] is False and teacher["trainable_params"] == 0
+    assert teacher["params"] == run_json(capsys, "--policy", config("Qwen3-1.7B"))["roles"]["policy"]["params"]
+    assert teacher["weight_gb"] == pytest.approx(2 * teacher["params"] / 1e9) and teacher["grad_gb"] == 0.0
+    assert with_teacher["model_state_gb"] == pytest.approx(without["model_state_gb"] + teacher["weight_gb"])
+    assert with_teacher["scoring_working_set_gb"] > without["scoring_working_set_gb"]  # the larger model's forward
+    toml = tmp_path / "distill.toml"
+    toml.write_text(f'policy = "{config("Qwen3-0.6B")}"\nteacher = "{config("Qwen3-1.7B")}"\n')
+    assert run_json(capsys, "--config", str(toml))["roles"]["teacher"]["params"] == teacher["params"]
+
+
+@needs_configs
 def test_fits_depends_on_gpu_memory_and_count(capsys):
     small = run_json(capsys, "--policy", config("Qwen3-0.6B"))
     assert small["fits"] and 30 < small["per_gpu_gb"] < 80

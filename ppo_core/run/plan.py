@@ -16,7 +16,8 @@ Roles. policy: trainable CausalLM. reference: frozen CausalLM (default: the poli
 no --reference it is the policy's own base with adapters off, so it costs nothing). critic: trainable
 ScoreModel (default: the policy's backbone; none at all with --no-critic, for the critic-free estimators grpo,
 dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, which build, train and run no critic). reward model: frozen
-ScoreModel (default: none, the reward is a function).
+ScoreModel (default: none, the reward is a function). teacher: frozen CausalLM (default: none; --teacher, on-policy
+distillation).
 
 Model state, n = parameters of the role, G = GPUs:
   trainable, full fine-tuning (mixed-precision AdamW), 18 B/param:
@@ -325,7 +326,7 @@ def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=Fa
 
 # ---------------------------------------------------------------------------- the plan
 
-def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
+def plan(policy, critic="", reference="", reward_model="", teacher="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
          response_len=1024, rollout_batch=64, micro_batch=4, micro_batch_tokens=0, lora_rank=0, sharding="none",
          offload=False, activation_checkpointing=False, critic_free=False, rollout_engine="paged",
          kv_cache_gb=None) -> dict:
@@ -339,7 +340,10 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
     "padded" (ppo_core.generate's KVCache for the whole batch).
 
     critic_free: a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline): no "critic"
-    role at all (no weights, gradients, optimizer state, activations or scoring forward)."""
+    role at all (no weights, gradients, optimizer state, activations or scoring forward).
+
+    teacher: on-policy distillation's teacher checkpoint (ppo-train --teacher): one more frozen CausalLM, held and
+    run in the scoring pass like the reference."""
     for name, value in (("gpus", gpus), ("prompt_len", prompt_len), ("response_len", response_len),
                         ("rollout_batch", rollout_batch), ("micro_batch", micro_batch)):
         if value < 1:
@@ -376,6 +380,8 @@ def plan(policy, critic="", reference="", reward_model="", *, gpus=1, gpu_memory
         configs["critic"] = critic or policy
     if reward_model:
         configs["reward_model"] = reward_model
+    if teacher:
+        configs["teacher"] = teacher
     shared_base = lora_rank > 0 and (not reference or os.path.abspath(reference) == os.path.abspath(policy))
     roles, shapes = {}, {}
     for role, path in configs.items():
@@ -505,6 +511,7 @@ def check_run_fits(cfg, policy_path, prompt_len: int, processes: int, device):
     rows = rollout_rows(cfg)
     try:
         p = plan(policy_path, critic=(cfg.critic or policy_path) if uses_critic(cfg) else "", reference=cfg.reference,
+                 teacher=cfg.teacher,
                  reward_model=cfg.reward_model if os.path.exists(os.path.expanduser(cfg.reward_model or "-")) else "",
                  gpus=processes, gpu_memory_gb=max(available, 1.0) / GB, prompt_len=max(prompt_len, 1),
                  response_len=cfg.max_new_tokens, rollout_batch=rows,
@@ -607,6 +614,8 @@ def build_parser():
     parser.add_argument("--critic", default="", help="critic checkpoint or config.json (default: the policy's backbone)")
     parser.add_argument("--reference", default="", help="reference checkpoint or config.json (default: the policy)")
     parser.add_argument("--reward-model", default="", help="reward model checkpoint or config.json (default: none)")
+    parser.add_argument("--teacher", default="", help="on-policy distillation's teacher checkpoint or config.json "
+                        "(default: none)")
     parser.add_argument("--config", default="", help="a ppo-train TOML: policy, reference, critic, "
                         "rollout_batch_size x n_samples_per_prompt, max_new_tokens, micro_batch_size or "
                         "micro_batch_tokens, gradient_checkpointing, adv_estimator (no critic unless gae) "
@@ -653,7 +662,7 @@ def dashed_options(argv: list[str]) -> list[str]:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(dashed_options(list(argv)))
-    values = dict(policy=args.policy, critic=args.critic, reference=args.reference, gpus=args.gpus,
+    values = dict(policy=args.policy, critic=args.critic, reference=args.reference, teacher=args.teacher, gpus=args.gpus,
                   prompt_len=args.prompt_len, response_len=args.response_len, rollout_batch=args.rollout_batch,
                   micro_batch=args.micro_batch, micro_batch_tokens=args.micro_batch_tokens,
                   activation_checkpointing=args.activation_checkpointing, critic_free=args.no_critic,
@@ -668,6 +677,7 @@ def main(argv=None):
             except ConfigError as e:
                 raise PlanError(str(e)) from None
             defaults.update(policy=run.policy or DEMO_CHECKPOINT, critic=run.critic, reference=run.reference,
+                            teacher=run.teacher,
                             rollout_batch=rollout_rows(run), response_len=run.max_new_tokens,
                             # packed (micro_batch_size 0, unread): what padded ones would be, for --micro-batch-tokens 0
                             micro_batch=run.micro_batch_size or fit_batch_sizes(
