@@ -58,7 +58,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ppo_core  # noqa: E402
-from ppo_core.run import checkpoint, distributed  # noqa: E402
+from ppo_core.models import distributed  # noqa: E402
+from ppo_core.run import checkpoint  # noqa: E402
 from ppo_core.engine.generate import filter_logits, sample_from_probs  # noqa: E402
 from ppo_core.engine import RolloutEngine  # noqa: E402
 from ppo_core.models.model import CausalLM, ModelArgs, load_model, read_config  # noqa: E402

@@ -351,7 +351,7 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
 
     def objective(logp, entropy, rows):
         """L = L^policy + beta KL - c_H H on the micro-batch's rows `rows`: logp, entropy [b, R] (entropy None
-        unless entropy_coef). Splits over rows as micro-batches do (global counts)."""
+        unless entropy_coef or a fresh batch). Splits over rows as micro-batches do (global counts)."""
         mask = response_mask[rows]
         old = logp.detach() if fresh else old_logprobs[rows]  # a fresh batch: pi_old is the policy as it is
         loss, stats = policy_loss_fn(logp, old, advantages[rows], mask,
