@@ -15,7 +15,6 @@ largest difference says little), next to how far eager's own autocast moves them
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -24,6 +23,7 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 
 import torch  # noqa: E402
 
+from bench.cpu_precision import timed  # noqa: E402  (one warm-up call, then the median of `repeats`)
 from ppo_core.models import model as model_lib  # noqa: E402
 from ppo_core.models.model import load_model  # noqa: E402
 from ppo_core.models.precision import bf16_matmul_hardware  # noqa: E402
@@ -36,15 +36,6 @@ def packed_batch(rows, vocab, seed=0):
     ids = torch.randint(0, vocab, (sum(seq_lens),), generator=g)
     positions = torch.cat([torch.arange(n) for n in seq_lens])
     return ids, positions, seq_lens
-
-
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main():
