@@ -17,7 +17,7 @@ import ppo_kernels
 import ppo_kernels.loss as kernel_loss
 from ppo_core import algo
 from ppo_core.config import ConfigError, PPOConfig, build_config
-from test_losses_peers import agg_coefficients, random_batch  # the same inputs and aggregation weights
+from test_losses_peers import agg_coefficients, random_batch, run_head  # the same inputs, weights and head run
 
 F64 = torch.float64
 TOL = 1e-14
@@ -118,16 +118,11 @@ def test_the_fused_head_trains_the_same_loss(monkeypatch):
         return algo.kl_penalty_policy_loss(logp, old_logp[rows], advantages[rows], mask[rows], kl_penalty_beta=0.5,
                                            num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
 
-    def run(head, **kwargs):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss, stats, _, _ = head(h, w, labels, objective, **kwargs)
-        loss.backward()
-        return loss.detach(), h.grad, w.grad, stats
-
     monkeypatch.setattr(kernel_loss, "TORCH_LOSS_TILE_ELEMENTS", 2 * T * V)
     monkeypatch.setenv("PPO_KERNELS_BACKEND", "torch")
-    reference = run(ppo_kernels.linear_logprob_loss_reference)
-    fused = run(ppo_kernels.linear_logprob_loss, rows_separate=True, tokens_separate=True)
+    reference = run_head(ppo_kernels.linear_logprob_loss_reference, hidden, weight, labels, objective)
+    fused = run_head(ppo_kernels.linear_logprob_loss, hidden, weight, labels, objective, rows_separate=True,
+                     tokens_separate=True)
     for a, b in zip(fused[:3], reference[:3]):
         assert (a - b).abs().max().item() <= TOL
     assert all(abs(fused[3][k].item() - reference[3][k].item()) <= TOL for k in reference[3])

@@ -55,6 +55,15 @@ def random_batch(seed, B=5, T=7, spread=0.5, token_advantages=False):
     return logp, old_logp, advantages, mask
 
 
+def run_head(head, hidden, weight, labels, objective, **kwargs):
+    """A loss head (fused or reference) on copies of hidden and weight, forward and backward -> (loss, dhidden,
+    dweight, stats)."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, stats, _, _ = head(h, w, labels, objective, **kwargs)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, stats
+
+
 def agg_coefficients(mask, agg, num_tokens=None, num_seqs=None):
     """c_it with aggregate(loss, mask, agg) = sum_it c_it loss_it, from the definitions in algo.aggregate's doc."""
     rows = mask.tolist()
@@ -486,22 +495,17 @@ def test_the_fused_head_trains_the_same_loss(kind, monkeypatch):
         return algo.policy_loss_function(kind)(logp, old_logp[rows], advantages[rows], mask[rows],
                                                num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum(), **settings)
 
-    def run(head, **kwargs):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss, stats, _, _ = head(h, w, labels, objective, **kwargs)
-        loss.backward()
-        return loss.detach(), h.grad, w.grad, stats
-
     monkeypatch.setattr(kernel_loss, "TORCH_LOSS_TILE_ELEMENTS", 2 * T * V)
     monkeypatch.setenv("PPO_KERNELS_BACKEND", "torch")
-    reference = run(ppo_kernels.linear_logprob_loss_reference)
+    reference = run_head(ppo_kernels.linear_logprob_loss_reference, hidden, weight, labels, objective)
     coupling = algo.loss_coupling(kind)  # the tiles update.policy_objective asks the fused head for
-    fused = run(ppo_kernels.linear_logprob_loss, rows_separate=coupling != "batch", tokens_separate=coupling == "token")
+    fused = run_head(ppo_kernels.linear_logprob_loss, hidden, weight, labels, objective,
+                     rows_separate=coupling != "batch", tokens_separate=coupling == "token")
     for a, b in zip(fused[:3], reference[:3]):
         assert (a - b).abs().max().item() <= TOL
     assert all(abs(fused[3][k].item() - reference[3][k].item()) <= TOL for k in reference[3])
     if kind == "clip_cov":
         assert 0 < reference[3]["clipcov_frac"].item() < 0.5
     if algo.loss_couples_rows(kind):  # the batch statistic needs every row at once
-        split = run(ppo_kernels.linear_logprob_loss, rows_separate=True)
+        split = run_head(ppo_kernels.linear_logprob_loss, hidden, weight, labels, objective, rows_separate=True)
         assert (split[1] - reference[1]).abs().max().item() > 1e-6  # each chunk's gradient of its own statistic
