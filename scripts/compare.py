@@ -50,9 +50,10 @@ the runs that finished).
 
     python scripts/compare.py --out runs/report --from_runs runs/grpo-s0 runs/grpo-s1 runs/gae-s0 runs/gae-s1
 
---from_runs starts nothing: it reads finished run directories (config.json, summary.json, metrics.jsonl), one
-variant per estimator (runs of one variant must differ in nothing but their seed and directory), and writes the same
-three reports. A directory without summary.json counts as a failed run. Bad arguments are one line on stderr and exit status 2, before any run starts.
+--from_runs starts nothing: it reads finished run directories (config.json, summary.json, metrics.jsonl) and writes
+the same three reports. Runs whose configs differ in nothing but their seed, directory and thread count are one variant;
+a variant is named by its estimator and the settings where it differs from that estimator's first variant, so runs
+of several compare.py invocations (a loss comparison and an estimator comparison) report as one. A directory without summary.json counts as a failed run. Bad arguments are one line on stderr and exit status 2, before any run starts.
 """
 import argparse
 import concurrent.futures
@@ -241,7 +242,7 @@ def run_plan(args):
     return runs
 
 
-# what may differ between the runs of one variant collected by --from_runs
+# what may differ between the runs of one variant collected by --from_runs (every other setting names a variant)
 PER_RUN_KEYS = ("seed", "out", "threads", "progress")
 
 
@@ -255,9 +256,11 @@ def as_written_today(config: dict) -> dict:
 
 def collected_runs(dirs):
     """--from_runs: the runs of finished run directories, as run_plan and execute describe them (returncode 0 where
-    summary.json exists, wall_s its time/total_s), one variant per estimator. Raises ArgumentError for a directory
-    that is no run, a variant whose runs differ in more than PER_RUN_KEYS, or one seed given twice."""
-    runs, configs = [], {}
+    summary.json exists, wall_s its time/total_s). Runs whose configs differ in nothing but PER_RUN_KEYS are one
+    variant; a variant is named by its estimator, then the settings where it differs from the first variant of that
+    estimator (as run_plan names a --variant: "grpo policy_loss_kind=gspo clip_low=0.0003"). Raises ArgumentError
+    for a directory that is no run, or a variant given one seed twice."""
+    runs, groups = [], []  # groups: the shared settings of each variant, in the order first seen
     for run_dir in dirs:
         try:
             with open(os.path.join(run_dir, "config.json")) as f:
@@ -267,13 +270,15 @@ def collected_runs(dirs):
         config = as_written_today(config)
         est = config["adv_estimator"]
         shared = {k: v for k, v in config.items() if k not in PER_RUN_KEYS}
-        if configs.setdefault(est, shared) != shared:
-            differ = sorted(k for k in shared if shared[k] != configs[est].get(k))
-            raise ArgumentError(f"{run_dir}: its {est} runs differ in more than the seed: {', '.join(differ)}")
-        if any(r["estimator"] == est and r["seed"] == config["seed"] for r in runs):
-            raise ArgumentError(f"{run_dir}: a second {est} run of seed {config['seed']}")
+        if shared not in groups:
+            groups.append(shared)
+        first = next(g for g in groups if g["adv_estimator"] == est)
+        settings = {"adv_estimator": est, **{k: str(v) for k, v in shared.items() if v != first.get(k)}}
+        name = variant_name(settings)
+        if any(r["variant"] == name and r["seed"] == config["seed"] for r in runs):
+            raise ArgumentError(f"{run_dir}: a second run of variant {name!r} with seed {config['seed']}")
         finished = os.path.isfile(os.path.join(run_dir, "summary.json"))
-        run = {"variant": est, "settings": {"adv_estimator": est}, "estimator": est, "seed": config["seed"],
+        run = {"variant": name, "settings": settings, "estimator": est, "seed": config["seed"],
                "n": config["n_samples_per_prompt"], "prompts": config["rollout_batch_size"], "dir": run_dir, "cmd": [],
                "returncode": 0 if finished else 1, "stderr_tail": "" if finished else "no summary.json: not finished"}
         if finished:

@@ -185,7 +185,8 @@ def test_vary_a_loss_setting_from_one_initialisation(tmp_path):
 
 def test_from_runs_reports_finished_runs_as_the_comparison_did(comparison, tmp_path):
     """--from_runs over the comparison's own run directories starts nothing and reports the same numbers per
-    estimator; runs of one estimator that differ in more than their seed are refused with one line, exit 2."""
+    estimator; a run that differs in a setting is another variant, named by that setting; a variant given one seed
+    twice is refused with one line, exit 2."""
     out, _ = comparison
     dirs = sorted(str(d) for d in out.iterdir() if (d / "config.json").exists())
     assert len(dirs) == 4
@@ -199,14 +200,22 @@ def test_from_runs_reports_finished_runs_as_the_comparison_did(comparison, tmp_p
     values = [s["eval/greedy_reward_before"] for s in gae]
     assert f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}" in md  # the greedy "before" column
 
-    other = tmp_path / "other"
-    other.mkdir()
-    config = read_json(os.path.join(dirs[0], "config.json"))
-    config["config"]["lr"] *= 2
-    config["config"]["seed"] = 7
+    import shutil
+    other, twin = tmp_path / "gae-lr-seed0", tmp_path / "twin"
+    shutil.copytree(dirs[0], other)
+    shutil.copytree(dirs[0], twin)
+    config = read_json(other / "config.json")
+    lr = config["config"]["lr"] * 2
+    config["config"]["lr"] = lr
     (other / "config.json").write_text(json.dumps(config))
-    proc = compare("--out", str(tmp_path / "bad"), "--from_runs", dirs[0], str(other))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "differ in more than the seed: lr" in proc.stderr
+    proc = compare("--out", str(tmp_path / "two"), "--from_runs", *dirs, str(other))
+    assert proc.returncode == 0, proc.stderr
+    report = read_json(tmp_path / "two" / "compare.json")
+    assert list(report["estimators"]) == ["gae", "grpo", f"gae lr={lr}"]  # another setting: another variant
+    assert report["estimators"][f"gae lr={lr}"]["settings"] == {"adv_estimator": "gae", "lr": str(lr)}
+    assert report["estimators"]["gae"] == original["estimators"]["gae"]
+    proc = compare("--out", str(tmp_path / "bad"), "--from_runs", dirs[0], str(twin))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "a second run of variant 'gae' with seed 0" in proc.stderr
 
 
 def test_from_runs_reads_runs_written_by_an_older_version(comparison, tmp_path):
@@ -232,5 +241,6 @@ def test_from_runs_reads_runs_written_by_an_older_version(comparison, tmp_path):
     config = read_json(new / "config.json")
     config["config"]["stop_grace_s"] = 5.0
     (new / "config.json").write_text(json.dumps(config))
-    proc = compare("--out", str(tmp_path / "bad"), "--from_runs", str(old), str(new))
-    assert proc.returncode == 2 and "differ in more than the seed: stop_grace_s" in proc.stderr
+    proc = compare("--out", str(tmp_path / "two"), "--from_runs", str(old), str(new))
+    assert proc.returncode == 0, proc.stderr
+    assert list(read_json(tmp_path / "two" / "compare.json")["estimators"]) == ["gae", "gae stop_grace_s=5.0"]

@@ -147,17 +147,24 @@ def test_paired_report_recomputed_from_the_runs(loss_comparison):
 
 
 def test_from_runs_gives_the_same_paired_report(loss_comparison, tmp_path):
-    """--from_runs on finished run directories that hold eval.json (one variant's: --from_runs groups by estimator)
-    reads their scores back: the same intervals as the comparison's; one variant, no pair."""
+    """--from_runs on finished run directories that hold eval.json reads their scores back: the same intervals per
+    variant and the same paired differences as the comparison's. Its variants are named by the settings where they
+    differ from the estimator's first one (ppo's runs are read first: plain "grpo")."""
     out = loss_comparison
-    dirs = [str(out / f"grpo-policy_loss_kind=ppo-seed{seed}") for seed in (0, 1)]
+    dirs = [str(out / f"grpo-policy_loss_kind={kind}-seed{seed}") for kind in ("ppo", "gspo") for seed in (0, 1)]
     proc = subprocess.run([sys.executable, COMPARE, "--out", str(tmp_path / "r"), "--from_runs", *dirs],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = read_json(tmp_path / "r" / "compare.json")
-    original = read_json(out / "compare.json")["estimators"]["grpo policy_loss_kind=ppo"]["intervals"]
-    assert report["estimators"]["grpo"]["intervals"] == original  # eval.json's scores read back from the run dirs
-    assert report["paired"] == []  # one variant: nothing to pair
+    original = read_json(out / "compare.json")
+    renamed = {"grpo": "grpo policy_loss_kind=ppo", "grpo policy_loss_kind=gspo": "grpo policy_loss_kind=gspo"}
+    assert list(report["estimators"]) == list(renamed)
+    for name, before in renamed.items():  # eval.json's scores read back from the run dirs
+        assert report["estimators"][name]["intervals"] == original["estimators"][before]["intervals"]
+    assert len(report["paired"]) == len(original["paired"]) > 0
+    for got, want in zip(report["paired"], original["paired"]):
+        assert renamed[got["a"]] == want["a"] and renamed[got["b"]] == want["b"]
+        assert {k: v for k, v in got.items() if k not in ("a", "b")} == {k: v for k, v in want.items() if k not in ("a", "b")}
 
 
 @pytest.mark.parametrize("eval_args, message", [("--n 2 --k 4", "--k 4: pass@k needs 1 <= k <= n"),
