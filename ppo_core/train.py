@@ -1,37 +1,49 @@
-"""ppo-train: one PPO run. `run` is the outline, top to bottom; the parts it calls follow it in its order.
+"""ppo-train: one PPO run. `run` is the outline, top to bottom; the parts it calls follow it in
+its order.
 
-    ppo-train                                    # the default job: the shipped demo checkpoint, CPU, ~30 s
-    ppo-train --adv_estimator=grpo --n_samples_per_prompt=8       # GRPO on the same task, no critic
+    ppo-train                         # the default job: the shipped demo checkpoint, CPU, ~30 s
+    ppo-train --adv_estimator=grpo --n_samples_per_prompt=8     # GRPO on the same task, no critic
     ppo-train --config configs/default.toml --iterations=100 --out runs/mine
 
-One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO"):
-  1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache decoding); with
-               filter_groups, groups whose scores are all equal are replaced by fresh ones (DAPO)       ppo_core.rollout
-               (with an environment: multi-turn episodes; with max_staleness=1, the rollout sampled one update
-               earlier; with rollout_ranks, sampled by a rollout worker: stale_rollout, ppo_core.run.rollout_worker;
-               with replay_rollouts, 1-2 read from a recorded run, save_rollouts records them: replayed_rollout,
-               record_rollout, ppo_core.run.recording)
-  2. score:    the reward function or model gives one scalar per response                   ppo_core.rewards.source
-  3. forward:  old log-probs and entropy (policy), reference log-probs, the teacher's (on-policy distillation, if
-               any), values (critic, if any), all with the training code path; the rows of the update's first
-               minibatch get their old log-probs from its own forward instead (ratio exactly 1; not where the KL is
-               in the reward or anything else reads them first: update.fresh_first_minibatch)  ppo_core.rollout
-  4. rewards:  penalties on the raw score (missing EOS, overlong), optional whitening and clipping; then
-               r_t = -beta * KL_t on every token, + the score on the last real token   ppo_core.update, ppo_core.algo
-  5. advantages, by cfg.adv_estimator: GAE with the critic's values, whitened over the batch; or critic-free: the
-               group-relative baselines of GRPO / Dr. GRPO / RLOO / REINFORCE++-baseline over each response's total
-               reward, or REINFORCE++'s whitened discounted return; with a teacher, the per-token distillation
-               advantage -distill_coef * (log pi_old - log pi_teacher) instead, or added  ppo_core.update, ppo_core.algo
-  6. update:   ppo_epochs over shuffled minibatches (stopped early past target_kl), gradient accumulation over
-               micro-batches, the clipped surrogate (PPO's token ratio or GSPO's sequence ratio, + entropy bonus,
-               + KL loss term) for the policy, the clipped value loss for the critic, AdamW, warm-up + cosine LR;
-               the first critic_warmup iterations train the critic alone                               ppo_core.update
-Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy produced.
+One iteration (Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with
+PPO"):
+  1. rollout:  sample n_samples_per_prompt responses per prompt from the policy (KV-cache
+               decoding); with filter_groups, groups whose scores are all equal are replaced by
+               fresh ones (DAPO)                                                ppo_core.rollout
+               (with an environment: multi-turn episodes; with max_staleness=1, the rollout
+               sampled one update earlier; with rollout_ranks, sampled by a rollout worker:
+               stale_rollout, ppo_core.run.rollout_worker; with replay_rollouts, 1-2 read from a
+               recorded run, save_rollouts records them: replayed_rollout, record_rollout,
+               ppo_core.run.recording)
+  2. score:    the reward function or model gives one scalar per response
+                                                                         ppo_core.rewards.source
+  3. forward:  old log-probs and entropy (policy), reference log-probs, the teacher's (on-policy
+               distillation, if any), values (critic, if any), all with the training code path;
+               the rows of the update's first minibatch get their old log-probs from its own
+               forward instead (ratio exactly 1; not where the KL is in the reward or anything
+               else reads them first: update.fresh_first_minibatch)             ppo_core.rollout
+  4. rewards:  penalties on the raw score (missing EOS, overlong), optional whitening and
+               clipping; then r_t = -beta * KL_t on every token, + the score on the last real
+               token                                                ppo_core.update, ppo_core.algo
+  5. advantages, by cfg.adv_estimator: GAE with the critic's values, whitened over the batch; or
+               critic-free: the group-relative baselines of GRPO / Dr. GRPO / RLOO /
+               REINFORCE++-baseline over each response's total reward, or REINFORCE++'s whitened
+               discounted return; with a teacher, the per-token distillation advantage
+               -distill_coef * (log pi_old - log pi_teacher) instead, or added
+                                                                    ppo_core.update, ppo_core.algo
+  6. update:   ppo_epochs over shuffled minibatches (stopped early past target_kl), gradient
+               accumulation over micro-batches, the clipped surrogate (PPO's token ratio or GSPO's
+               sequence ratio, + entropy bonus, + KL loss term) for the policy, the clipped value
+               loss for the critic, AdamW, warm-up + cosine LR; the first critic_warmup
+               iterations train the critic alone                                 ppo_core.update
+Every per-token tensor is [B, R] over response tokens with `response_mask` 1 on tokens the policy
+produced.
 
-Here: `run`; the set-up, each part a named function (build_models, check_teacher and build_teacher,
-make_reward_sources, prompt_rows and check_prompts, open_run_dir); an iteration's metrics and samples;
-`Checkpoints`, which saves and resumes the run and stops it early with what the README documents (a reward
-server down: a checkpoint and exit status 3; SIGTERM / SIGINT: a checkpoint and 143); and the command line, `main`.
+Here: `run`; the set-up, each part a named function (build_models, check_teacher and
+build_teacher, make_reward_sources, prompt_rows and check_prompts, open_run_dir); an iteration's
+metrics and samples; `Checkpoints`, which saves and resumes the run and stops it early with what
+the README documents (a reward server down: a checkpoint and exit status 3; SIGTERM / SIGINT: a
+checkpoint and 143); and the command line, `main`.
 """
 import contextlib
 import dataclasses
@@ -53,31 +65,35 @@ from .models import distributed as dist
 from .run import recording, rollout_worker, runlog, tracking
 from .rewards.redact import forget_secrets, redact, remember_secrets
 from .run.rollout_worker import RolloutClient
-from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, to_dict, load_toml, parse_cli,
-                     rollout_rows, uses_critic)
+from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, to_dict,
+                     load_toml, parse_cli, rollout_rows, uses_critic)
 from .models.model import CheckpointError, load_model, load_score_model, read_config
 from .models.precision import loss_paths, precision_line, resolve_precision
 from .data.prompts import PromptsError, RowStream, columns_of, load_rows, split_held_out, where_is
 from .rewards.remote import API_KEY_ENV, PROXY_AUTH_ENV, RewardUnavailable
 from .rewards.source import make_reward_source
 from .rewards.interface import RewardError
-from .rollout import (EVAL_SEED_OFFSET, evaluate, iteration_rollout, needs_reference_responses, prompt_token_ids,
-                      records_decode_logprobs, rollout_forward, sample_rows, sampled_from_state, sampled_state, state_lists,
-                      with_reference_responses)
+from .rollout import (EVAL_SEED_OFFSET, evaluate, iteration_rollout, needs_reference_responses,
+                      prompt_token_ids, records_decode_logprobs, rollout_forward, sample_rows,
+                      sampled_from_state, sampled_state, state_lists, with_reference_responses)
 from .data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
-from .update import NonFiniteUpdates, Optimizers, compute_advantages, fresh_first_minibatch, ppo_update
+from .update import (NonFiniteUpdates, Optimizers, compute_advantages, fresh_first_minibatch,
+                     ppo_update)
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
-DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT, "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo"),
+DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT,
+                    "arith": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "arith-demo"),
                     "toolmul": os.path.join(os.path.dirname(DEMO_CHECKPOINT), "tool-demo")}
 
 
 def run(cfg: PPOConfig, resume_from=None):
-    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad input. resume_from: a
-    run directory to continue (its config is `cfg`); without it, a run directory that already holds a checkpoint of
-    the same config is resumed too (what a retried container needs)."""
-    cfg = fit_batch_sizes(cfg)  # a config built in code, not by build_config: its default batch sizes made numbers
+    """Train; returns the summary dict. Raises ConfigError / CheckpointError / RewardError on bad
+    input. resume_from: a run directory to continue (its config is `cfg`); without it, a run
+    directory that already holds a checkpoint of the same config is resumed too (what a retried
+    container needs)."""
+    # a config built in code, not by build_config: its default batch sizes made numbers
+    cfg = fit_batch_sizes(cfg)
     torch.set_num_threads(torch_threads(cfg))
     check_paths(cfg)  # every path the config names, before anything is read
     policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
@@ -85,128 +101,168 @@ def run(cfg: PPOConfig, resume_from=None):
     autocast = precision.autocast
     rank, world, device = dist.init(precision.device, roles=bool(cfg.rollout_ranks))
     check_roles(cfg)
-    if dist.split_roles(cfg.rollout_ranks) == "rollout":  # a rollout worker: it samples, the others train
+    # a rollout worker: it samples, the others train
+    if dist.split_roles(cfg.rollout_ranks) == "rollout":
         return serve_rollouts(cfg, policy_path, device, precision)
     world = dist.world_size()  # the trainers
 
-    # Set up. Everything that can be wrong with the input is checked before the run directory is touched.
+    # Set up. Everything that can be wrong with the input is checked before the run directory is
+    # touched.
     check_process_count(cfg, world)
-    runlog.check_out_dir(resume_from or cfg.out or "runs")  # without --out: runs/<policy>-<task>-<time> (RunDir.open)
+    # without --out: runs/<policy>-<task>-<time> (RunDir.open)
+    runlog.check_out_dir(resume_from or cfg.out or "runs")
     with checkpoint_of("policy"):
-        tokenizer = load_tokenizer(policy_path)  # the prompts are checked against it before any model is built
+        # the prompts are checked against it before any model is built
+        tokenizer = load_tokenizer(policy_path)
     check_chat_template(cfg, tokenizer, policy_path)
     check_teacher(cfg, policy_path, tokenizer)
     train_rows, held_out, stream = prompt_rows(cfg)
     prompt_lengths = encoded_lengths(cfg, tokenizer, held_out + train_rows)
-    policy, critic, reference = build_models(cfg, policy_path, tokenizer, device, precision.param_dtype)
+    policy, critic, reference = build_models(cfg, policy_path, tokenizer, device,
+                                             precision.param_dtype)
     teacher = build_teacher(cfg, device, precision.param_dtype)  # None without cfg.teacher
-    with checkpoint_of("judge" if cfg.judge else "reward_model"):  # the only sources that read a checkpoint
+    # the only sources that read a checkpoint
+    with checkpoint_of("judge" if cfg.judge else "reward_model"):
         reward_source, eval_source = make_reward_sources(cfg, device, precision.param_dtype)
-    policy_train, critic_train = spread_over_processes(policy, critic, reference, teacher, reward_source, cfg, device)
-    train_rows, held_out, stream, overlong = fit_context(cfg, policy, train_rows, held_out, stream, prompt_lengths)
-    longest = min(max(prompt_lengths, default=1), policy.args.max_position_embeddings - cfg.max_new_tokens)  # kept rows'
-    check_batch(cfg, train_rows, longest, policy_path, world, device)  # the data and the memory hold it
+    policy_train, critic_train = spread_over_processes(policy, critic, reference, teacher,
+                                                       reward_source, cfg, device)
+    train_rows, held_out, stream, overlong = fit_context(cfg, policy, train_rows, held_out, stream,
+                                                         prompt_lengths)
+    # the kept rows' longest prompt (where rows were dropped: the context less max_new_tokens)
+    longest = min(max(prompt_lengths, default=1),
+                  policy.args.max_position_embeddings - cfg.max_new_tokens)
+    # the data and the memory can hold the batch
+    check_batch(cfg, train_rows, longest, policy_path, world, device)
     check_prompts(cfg, train_rows, held_out, reward_source, eval_source)
-    # a recording to train on (cfg.replay_rollouts), checked against this run: the checkpoint, tokenizer, shape, steps
-    replay = recording.open_recording(cfg.replay_rollouts, cfg, policy_path) if cfg.replay_rollouts else None
+    # a recording to train on (cfg.replay_rollouts), checked against this run: the checkpoint,
+    # tokenizer, shape, steps
+    replay = (recording.open_recording(cfg.replay_rollouts, cfg, policy_path) if cfg.replay_rollouts
+              else None)
     run_dir, ckpt, log, tracker = open_run_dir(cfg, policy_path, resume_from, precision)
     if cfg.save_rollouts:
         recording.start_recording(run_dir.path, cfg, policy_path)
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the rollouts' sampling noise
+    # the rollouts' sampling noise
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
-    opts = Optimizers(policy, critic, cfg, cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
+    opts = Optimizers(policy, critic, cfg,
+                      cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
     kl_ctl = kl_controller(cfg)
     eval_seed = cfg.seed + EVAL_SEED_OFFSET  # every evaluation samples with the same noise
-    if needs_reference_responses(cfg) and eval_source is reward_source:  # the held-out rows' references, sampled once
-        held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg, eval_seed + 1, autocast)
+    # the held-out rows' references, sampled once
+    if needs_reference_responses(cfg) and eval_source is reward_source:
+        held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg,
+                                            eval_seed + 1, autocast)
     def evaluate_policy(greedy=False):  # the mean reward over the held-out rows
-        return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy, autocast=autocast)
+        return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy,
+                        autocast=autocast)
     ckpts = Checkpoints(cfg, run_dir, log, tracker, policy, critic, tokenizer, opts,
                         {"sample": sample_gen, "shuffle": shuffle_gen}, kl_ctl, stream)
     workers = (RolloutClient(cfg, policy, stream, tokenizer.pad_token_id, wire_autocast(precision))
                if cfg.rollout_ranks else None)
-    state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
+    # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
+    state = ckpts.state
 
     if ckpt is not None:
         start_iter = ckpts.resume(ckpt)
     else:
         start_iter = 0
-        log_first_lines(log, cfg, policy_path, policy, teacher, world, device, run_dir, precision, train_rows, held_out)
+        log_first_lines(log, cfg, policy_path, policy, teacher, world, device, run_dir, precision,
+                        train_rows, held_out)
         if overlong:
-            log.info(f"prompts: {overlong} rows dropped (drop_overlong_prompts): longer than the model's context leaves "
-                     f"for max_new_tokens={cfg.max_new_tokens}")
+            log.info(
+                f"prompts: {overlong} rows dropped (drop_overlong_prompts): longer than the "
+                f"model's context leaves for max_new_tokens={cfg.max_new_tokens}")
         log_rollout_lines(log, cfg, run_dir, replay, longest)
-        with ckpts.stopped_if_server_down("during the evaluation before training; nothing saved yet; start again "
-                                          f"with: ppo-train --resume {run_dir.path}"):
-            state["eval_before"], state["eval_before_greedy"] = evaluate_policy(), evaluate_policy(greedy=True)
-        log.info(f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
-                 f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - ckpts.t0:.1f}s]")
-    if "pending_metrics" in state:  # the run stopped in iteration start_iter's evaluation (server down): finish it
+        with ckpts.stopped_if_server_down(
+                "during the evaluation before training; nothing saved yet; start again "
+                f"with: ppo-train --resume {run_dir.path}"):
+            state["eval_before"], state["eval_before_greedy"] = (evaluate_policy(),
+                                                                 evaluate_policy(greedy=True))
+        log.info(
+            f"eval before training: reward {state['eval_before']:.4f} (T={cfg.temperature}), "
+            f"{state['eval_before_greedy']:.4f} (greedy) [{time.perf_counter() - ckpts.t0:.1f}s]")
+    # the run stopped in iteration start_iter's evaluation (server down): finish it
+    if "pending_metrics" in state:
         ckpts.finish_pending_iteration(start_iter, evaluate_policy)
     if workers is not None:
         workers.start(start_iter, state)
 
-    def last_words(why, iteration):  # what a process ended by StopSignals' watchdog says: main()'s line
+    # what a process ended by StopSignals' watchdog says: main()'s line
+    def last_words(why, iteration):
         return f"ppo-train: {ckpts.abandoned_line(why, iteration)}"
     with runlog.StopSignals(cfg.stop_grace_s, last_words) as stop, ckpts.stopped_if_abandoned(stop):
         for it in log.iterations(cfg.iterations, start_iter):
-            stop.work_starts(it + 1)  # from here to work_ends a second signal abandons the iteration (runlog.StopSignals)
-            with ckpts.redone_if_server_down(it):  # a reward server down: saved as of this iteration's start
+            # from here to work_ends a second signal abandons the iteration (runlog.StopSignals)
+            stop.work_starts(it + 1)
+            # a reward server down: saved as of this iteration's start
+            with ckpts.redone_if_server_down(it):
                 opts.start_iteration(it)
                 t_roll = time.perf_counter()
-                # the update's first minibatch, whose old log-probs its own forward gives (None: scored here)
-                fresh = fresh_first_minibatch(cfg, rollout_rows(cfg), shuffle_gen, it >= cfg.critic_warmup)
-                if replay is not None:  # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
-                    rollout, ended, filter_stats = replayed_rollout(it, replay, policy, reference, critic, cfg,
-                                                                    autocast, teacher, device)
+                # the update's first minibatch, whose old log-probs its own forward gives (None:
+                # scored here)
+                fresh = fresh_first_minibatch(cfg, rollout_rows(cfg), shuffle_gen,
+                                              it >= cfg.critic_warmup)
+                if replay is not None:
+                    # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
+                    rollout, ended, filter_stats = replayed_rollout(it, replay, policy, reference,
+                                                                    critic, cfg, autocast, teacher,
+                                                                    device)
                 elif workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
                     share, worker_stats = workers.rollout(it, state)
                     sampled, group, filter_stats = sampled_from_state(share, device)
                     filter_stats.update(worker_stats)
-                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher, fresh)
+                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg,
+                                              autocast, teacher, fresh)
                     ended = sampled.ended
                 elif cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
-                    rollout, ended, filter_stats = stale_rollout(it, state, stream, policy, reference, critic,
-                                                                 tokenizer, reward_source, cfg, sample_gen, autocast,
-                                                                 teacher)
-                else:
-                    rollout, ended, filter_stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
-                                                                     reward_source, cfg, sample_gen, autocast,
-                                                                     teacher=teacher, fresh_rows=fresh)  # 1-3
-            if cfg.save_rollouts:  # what 1-2 produced, for a later --replay_rollouts (ppo_core.run.recording)
+                    rollout, ended, filter_stats = stale_rollout(
+                        it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg,
+                        sample_gen, autocast, teacher)
+                else:  # 1-3
+                    rollout, ended, filter_stats = iteration_rollout(
+                        it, stream, policy, reference, critic, tokenizer, reward_source, cfg,
+                        sample_gen, autocast, teacher=teacher, fresh_rows=fresh)
+            # what 1-2 produced, for a later --replay_rollouts (ppo_core.run.recording)
+            if cfg.save_rollouts:
                 record_rollout(log, run_dir, it, rollout, filter_stats, first=it == start_iter)
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
             t_train = time.perf_counter()
-            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen, autocast, opts.step,
-                                     train_policy=it >= cfg.critic_warmup)  # 6
-            if workers is not None:  # the new weights to the worker (and, one update stale, its next rollout)
+            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen,
+                                     autocast, opts.step, train_policy=it >= cfg.critic_warmup)  # 6
+            # the new weights to the worker (and, one update stale, its next rollout)
+            if workers is not None:
                 train_stats.update(workers.after_update(it, state))
-            metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg,
+            metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats,
+                                        opts, critic, cfg,
                                         seconds=(t_roll, t_train, time.perf_counter()))
             if cfg.drop_overlong_prompts:
                 metrics["prompts/dropped_overlong"] = overlong
-            state["last_kl"] = metrics["kl/mean"]  # k1: what the adaptive controller reads (Ziegler et al. 2019)
+            # k1: what the adaptive controller reads (Ziegler et al. 2019)
+            state["last_kl"] = metrics["kl/mean"]
             state["last_kl_k3"] = metrics["kl/k3_mean"]  # k3 >= 0: what the summary reports
             kl_ctl.update(state["last_kl"], rollout_rows(cfg))
             if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
-                # a reward server down keeps the update (saved), its samples and the metrics a resume completes
-                with ckpts.saved_if_server_down(it + 1, f" in the evaluation of iteration {it + 1}", pending=metrics,
-                                                samples=(it, rollout.sampled)):
+                # a reward server down keeps the update (saved), its samples and the metrics a
+                # resume completes
+                with ckpts.saved_if_server_down(it + 1, f" in the evaluation of iteration {it + 1}",
+                                                pending=metrics, samples=(it, rollout.sampled)):
                     metrics["eval/reward"] = evaluate_policy()
             stop.work_ends()  # what follows is written whole, even under a second signal
             with stop.writing:  # a process ended by StopSignals' watchdog waits for these lines
                 log.metrics(metrics)
                 tracker.log(metrics, it + 1)
                 write_samples(cfg, run_dir, tracker, tokenizer, it, rollout.sampled)
-            if it + 1 == cfg.iterations or stop.requested or (cfg.save_every and (it + 1) % cfg.save_every == 0):
+            if (it + 1 == cfg.iterations or stop.requested
+                    or (cfg.save_every and (it + 1) % cfg.save_every == 0)):
                 ckpts.save(it + 1)
             ckpts.stop_if_requested(stop, it + 1)
 
-    with ckpts.stopped_if_server_down(f"during the final evaluation; the final checkpoint (iteration {cfg.iterations}) "
-                                      f"is in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}"):
+    with ckpts.stopped_if_server_down(
+            f"during the final evaluation; the final checkpoint (iteration {cfg.iterations}) "
+            f"is in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}"):
         after, after_greedy = evaluate_policy(), evaluate_policy(greedy=True)
     summary = run_summary(ckpts, after, after_greedy, len(held_out))
     run_dir.write_summary(summary)
@@ -218,8 +274,9 @@ def run(cfg: PPOConfig, resume_from=None):
 
 
 def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
-    """A rollout worker's whole run (config rollout_ranks): the models and the stream it samples with, then
-    ppo_core.run.rollout_worker.serve until the trainer's last iteration. It writes nothing: the trainer owns the run."""
+    """A rollout worker's whole run (config rollout_ranks): the models and the stream it samples
+    with, then ppo_core.run.rollout_worker.serve until the trainer's last iteration. It writes
+    nothing: the trainer owns the run."""
     tokenizer = load_tokenizer(policy_path)
     train_rows, held_out, stream = prompt_rows(cfg)
     policy = load_model(policy_path, dtype=precision.param_dtype, device=device).eval()
@@ -228,14 +285,19 @@ def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
         _, _, stream, _ = fit_context(cfg, policy, train_rows, held_out, stream, lengths)
     if cfg.lora_rank:  # the trainers' adapters: their values arrive with the weights
         lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha or None)
-    reference = policy  # what only a pairwise judge's reference samples read (with_reference_responses):
-    if needs_reference_responses(cfg) and (cfg.reference or not cfg.lora_rank):  # else the policy, adapters off
-        reference = load_model(cfg.reference or policy_path, dtype=precision.param_dtype, device=device).eval()
+    # what only a pairwise judge's reference samples read (with_reference_responses): the
+    # reference checkpoint, or under LoRA without one the policy, adapters off
+    reference = policy
+    if needs_reference_responses(cfg) and (cfg.reference or not cfg.lora_rank):
+        reference = load_model(cfg.reference or policy_path, dtype=precision.param_dtype,
+                               device=device).eval()
     reward_source = make_reward_source(cfg, device, precision.param_dtype)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)  # reseeded per iteration by iteration_rollout
+    # reseeded per iteration by iteration_rollout
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     def sample(it):  # the loop's rollout, steps 1-2, this worker's rows, for the wire
-        sampled, group, stats = iteration_rollout(it, stream, policy, reference, None, tokenizer, reward_source, cfg,
-                                                  sample_gen, precision.autocast, sample_only=True)
+        sampled, group, stats = iteration_rollout(it, stream, policy, reference, None, tokenizer,
+                                                  reward_source, cfg, sample_gen,
+                                                  precision.autocast, sample_only=True)
         return sampled_state(sampled, group, stats, lists=False)
 
     rollout_worker.serve(cfg, policy, stream, sample, wire_autocast(precision))
@@ -244,18 +306,20 @@ def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
 
 
 def wire_autocast(precision):
-    """The autocast dtype the block weights may travel to the rollout workers in (rollout_worker.wire_dtypes):
-    bf16-mixed's, where float32 master weights feed bf16 matmuls; None otherwise."""
+    """The autocast dtype the block weights may travel to the rollout workers in
+    (rollout_worker.wire_dtypes): bf16-mixed's, where float32 master weights feed bf16 matmuls;
+    None otherwise."""
     return precision.autocast_dtype if precision.param_dtype == torch.float32 else None
 
 
-def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast,
-                  teacher=None):
-    """cfg.max_staleness = 1: iteration it trains on the rollout sampled (and scored) before the previous update, with
-    the weights iteration it-1 started from (the first iteration samples its own), and samples iteration it+1's now,
-    with its own starting weights, as a rollout worker one update behind would while it trains. The one sampled but
-    not yet trained on waits in state["pending_rollout"] (ppo_core.rollout.sampled_state), which the checkpoint
-    holds. -> what iteration_rollout returns; the old log-probs are recomputed with the current weights."""
+def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg,
+                  sample_gen, autocast, teacher=None):
+    """cfg.max_staleness = 1: iteration it trains on the rollout sampled (and scored) before the
+    previous update, with the weights iteration it-1 started from (the first iteration samples its
+    own), and samples iteration it+1's now, with its own starting weights, as a rollout worker one
+    update behind would while it trains. The one sampled but not yet trained on waits in
+    state["pending_rollout"] (ppo_core.rollout.sampled_state), which the checkpoint holds.
+    -> what iteration_rollout returns; the old log-probs are recomputed with the current weights."""
     device = next(policy.parameters()).device
     args = (stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast)
     pending = state.pop("pending_rollout", None)
@@ -263,28 +327,33 @@ def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, rewar
                              else iteration_rollout(it, *args, sample_only=True))
     staleness = it - pending.get("weights_version", it - 1) if pending is not None else 0
     if it + 1 < cfg.iterations:  # sampled with the weights iteration it starts from: version it
-        state["pending_rollout"] = dict(sampled_state(*iteration_rollout(it + 1, *args, sample_only=True)),
-                                        weights_version=it)
-    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher), sampled.ended,
-            dict(stats, **{"off_policy/staleness": staleness}))
+        state["pending_rollout"] = dict(
+            sampled_state(*iteration_rollout(it + 1, *args, sample_only=True)), weights_version=it)
+    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher),
+            sampled.ended, dict(stats, **{"off_policy/staleness": staleness}))
 
 
 def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teacher, device):
-    """cfg.replay_rollouts: iteration it's rollout as the recorded run sampled and scored it (ppo_core.run.recording),
-    then step 3 with this run's models and config, as after sampling (rollout_forward): old and reference log-probs,
-    values. The recorded sampler's log-probs mu (its decoding pass's when it kept them, else its training path's
-    old log-probs) stand in for the decoding pass's where this config reads them (off_policy_correction,
+    """cfg.replay_rollouts: iteration it's rollout as the recorded run sampled and scored it
+    (ppo_core.run.recording), then step 3 with this run's models and config, as after sampling
+    (rollout_forward): old and reference log-probs, values. The recorded sampler's log-probs mu
+    (its decoding pass's when it kept them, else its training path's old log-probs) stand in for
+    the decoding pass's where this config reads them (off_policy_correction,
     old_logprobs_from_rollout). -> what iteration_rollout returns, the stats the recording's, with
-    off_policy/behav_gap_mean and _max: |log pi_old - log mu| per token, this run's policy against the recorded
-    sampler (0 for the recorded run's own config; with an off_policy_correction the update reports them)."""
+    off_policy/behav_gap_mean and _max: |log pi_old - log mu| per token, this run's policy against
+    the recorded sampler (0 for the recorded run's own config; with an off_policy_correction the
+    update reports them). A recorded iteration that cannot be read is a ConfigError."""
     state = replay.read(it + 1)
     try:
         sampled, group, stats = sampled_from_state(state["sampled"], device)
-        recorded = {name: state["sampler"][name].to(device) for name in ("old_logprobs", "entropy")}  # [B, R]
+        recorded = {name: state["sampler"][name].to(device)
+                    for name in ("old_logprobs", "entropy")}  # [B, R]
     except (KeyError, TypeError, AttributeError) as e:  # a step-N.json edited by hand
-        raise ConfigError(f"config key 'replay_rollouts': {replay.path}'s iteration {it + 1} is not a recorded "
-                          f"rollout ({type(e).__name__}: {e})") from None
-    mu = sampled.decode_logprobs if sampled.decode_logprobs is not None else recorded["old_logprobs"]
+        raise ConfigError(
+            f"config key 'replay_rollouts': {replay.path}'s iteration {it + 1} is not a recorded "
+            f"rollout ({type(e).__name__}: {e})") from None
+    mu = (sampled.decode_logprobs if sampled.decode_logprobs is not None
+          else recorded["old_logprobs"])
     if records_decode_logprobs(cfg) and sampled.decode_logprobs is None:
         sampled.decode_logprobs, sampled.decode_entropy = mu, recorded["entropy"]
     rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
@@ -298,62 +367,74 @@ def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teach
 
 
 def record_rollout(log, run_dir, it, rollout, stats, first=False):
-    """cfg.save_rollouts: iteration it's rollout to RUN_DIR/rollouts/step-{it+1} (ppo_core.run.recording): what the
-    sampler and the reward produced (sampled_state: prompt rows, token ids, masks, scores, reward components, the
-    decoding pass's log-probs when kept), its statistics, and the sampler's log-probs and entropy on the training
-    path (the rollout's old ones: the sampling policy's own, but with max_staleness=1 one update newer).
+    """cfg.save_rollouts: iteration it's rollout to RUN_DIR/rollouts/step-{it+1}
+    (ppo_core.run.recording): what the sampler and the reward produced (sampled_state: prompt rows,
+    token ids, masks, scores, reward components, the decoding pass's log-probs when kept), its
+    statistics, and the sampler's log-probs and entropy on the training path (the rollout's old
+    ones: the sampling policy's own, but with max_staleness=1 one update newer).
     first: the first this process writes, whose measured size the log says."""
     state = {"sampled": sampled_state(rollout.sampled, rollout.group, dict(stats), lists=False),
              "sampler": {"old_logprobs": rollout.old_logprobs, "entropy": rollout.entropy}}
     tensor_bytes, file_bytes = recording.write_rollout(run_dir.path, it + 1, state)
     if first:
-        log.info(f"rollouts: iteration {it + 1} recorded in {recording.size_text(file_bytes)} (measured: tensors "
-                 f"{recording.size_text(tensor_bytes)}, the rest prompt rows, texts and JSON)")
+        log.info(
+            f"rollouts: iteration {it + 1} recorded in {recording.size_text(file_bytes)} "
+            f"(measured: tensors {recording.size_text(tensor_bytes)}, the rest prompt rows, texts "
+            "and JSON)")
 
 
 def log_rollout_lines(log, cfg: PPOConfig, run_dir, replay, longest_prompt):
-    """A new run's line on recorded rollouts: where they go and their size per iteration, computed from the shapes
-    (save_rollouts); or what is replayed and whether it is off-policy for this run (replay_rollouts)."""
+    """A new run's line on recorded rollouts: where they go and their size per iteration, computed
+    from the shapes (save_rollouts); or what is replayed and whether it is off-policy for this run
+    (replay_rollouts)."""
     if cfg.save_rollouts:
         rows = rollout_rows(cfg)
         per_iteration = recording.tensor_bytes_bound(rows, longest_prompt, cfg.max_new_tokens,
-                                                     records_decode_logprobs(cfg), bool(cfg.environment))
+                                                     records_decode_logprobs(cfg),
+                                                     bool(cfg.environment))
         size = recording.size_text
-        log.info(f"rollouts: recording each iteration's to {recording.folder(run_dir.path)}: about "
-                 f"{size(per_iteration)} an iteration, {size(per_iteration * cfg.iterations)} for {cfg.iterations} "
-                 f"(tensors, computed from the shapes: {rows} rows x {longest_prompt} prompt tokens (the longest "
-                 f"held-out or training prompt) + {cfg.max_new_tokens} response tokens), + the prompt rows and texts "
-                 f"as JSON")
+        log.info(
+            f"rollouts: recording each iteration's to {recording.folder(run_dir.path)}: about "
+            f"{size(per_iteration)} an iteration, {size(per_iteration * cfg.iterations)} for "
+            f"{cfg.iterations} (tensors, computed from the shapes: {rows} rows x {longest_prompt} "
+            f"prompt tokens (the longest held-out or training prompt) + {cfg.max_new_tokens} "
+            "response tokens), + the prompt rows and texts as JSON")
     if replay is not None:
         differ = recording.config_differences(replay, cfg)
-        what = ("the config is the recording's: its weights are reproduced bit for bit (same machine and precision)"
-                if not differ else
-                f"the config differs from the recording's in {', '.join(differ[:8])}: from iteration 2 on the recorded "
-                f"rollouts are off-policy for this run (off_policy/behav_gap_mean, _max: its log-probs against the "
-                f"recorded sampler's)")
-        log.info(f"rollouts: replaying the {replay.steps} iterations recorded in {replay.path} (nothing is sampled); "
-                 f"{what}")
+        what = (
+            "the config is the recording's: its weights are reproduced bit for bit (same machine "
+            "and precision)"
+            if not differ else
+            f"the config differs from the recording's in {', '.join(differ[:8])}: from iteration 2 "
+            "on the recorded rollouts are off-policy for this run (off_policy/behav_gap_mean, "
+            "_max: its log-probs against the recorded sampler's)")
+        log.info(
+            f"rollouts: replaying the {replay.steps} iterations recorded in {replay.path} (nothing "
+            f"is sampled); {what}")
 
 
 # ---------------------------------------------------------------------------- set-up
 
 def torch_threads(cfg: PPOConfig) -> int:
-    """torch's CPU threads for the run: cfg.threads, or 0 = one per core this process may use (its CPU affinity, which
-    a container or `taskset` narrows; torch's own default counts every core of the machine)."""
+    """torch's CPU threads for the run: cfg.threads, or 0 = one per core this process may use (its
+    CPU affinity, which a container or `taskset` narrows; torch's own default counts every core of
+    the machine)."""
     if cfg.threads:
         return cfg.threads
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-CHECKPOINT_KEYS = ("policy", "reference", "critic", "reward_model", "judge")  # each a directory (HF layout)
+# each a directory (HF layout)
+CHECKPOINT_KEYS = ("policy", "reference", "critic", "reward_model", "judge")
 FILE_KEYS = ("prompts_file", "eval_prompts_file")
 
 
 def check_paths(cfg: PPOConfig):
-    """Every path the config names is there and of its kind (a checkpoint directory, a file), before anything is read:
-    else one ConfigError naming each key that is not, "config key 'policy': no such directory: '/m/SmolLM2-135M-Instruc'
-    (did you mean '/m/SmolLM2-135M-Instruct'?)", all of them in one message. Also the files of 'file.py:function'
-    specs (reward_fn, eval_reward_fn, environment) and a judge_template given as a file (absolute once
+    """Every path the config names is there and of its kind (a checkpoint directory, a file), before
+    anything is read: else one ConfigError naming each key that is not, all of them in one message:
+    "config key 'policy': no such directory: '/m/SmolLM2-135M-Instruc' (did you mean
+    '/m/SmolLM2-135M-Instruct'?)". Also the files of 'file.py:function' specs (reward_fn,
+    eval_reward_fn, environment) and a judge_template given as a file (absolute once
     config.absolute_paths has run)."""
     problems = []
     for key in CHECKPOINT_KEYS + FILE_KEYS:
@@ -377,9 +458,9 @@ def check_paths(cfg: PPOConfig):
 
 @contextlib.contextmanager
 def checkpoint_of(key):
-    """A CheckpointError in the block (a checkpoint directory that cannot be loaded: a file missing, a bad config; the
-    tokenizer's loader says FileNotFoundError) is about config key `key`'s checkpoint: its message says so, "config
-    key 'policy': no tokenizer.json in '/m/x'"."""
+    """A CheckpointError in the block (a checkpoint directory that cannot be loaded: a file missing,
+    a bad config; the tokenizer's loader says FileNotFoundError) is about config key `key`'s
+    checkpoint: its message says so, "config key 'policy': no tokenizer.json in '/m/x'"."""
     try:
         yield
     except (CheckpointError, FileNotFoundError) as e:
@@ -387,8 +468,8 @@ def checkpoint_of(key):
 
 
 def path_problem(path, directory: bool):
-    """Why `path` is not a directory (directory=True) or a file, with the closest name beside it when it is missing
-    (a typo); None when it is one."""
+    """Why `path` is not a directory (directory=True) or a file, with the closest name beside it
+    when it is missing (a typo); None when it is one."""
     if os.path.isdir(path) if directory else os.path.isfile(path):
         return None
     kind = "directory" if directory else "file"
@@ -397,138 +478,164 @@ def path_problem(path, directory: bool):
     parent, name = os.path.split(os.path.normpath(path))
     siblings = os.listdir(parent) if os.path.isdir(parent) else []
     close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.75)
-    return f"no such {kind}: {path!r}" + (f" (did you mean {os.path.join(parent, close[0])!r}?)" if close else "")
+    return f"no such {kind}: {path!r}" + (f" (did you mean {os.path.join(parent, close[0])!r}?)"
+                                          if close else "")
 
 
 def check_process_count(cfg: PPOConfig, world):
-    """Every process holds an equal share of a rollout and of each minibatch; recorded rollouts are one process's."""
+    """Every process holds an equal share of a rollout and of each minibatch; recorded rollouts are
+    one process's. A ConfigError otherwise."""
     recording.check_processes(cfg, world)
     if rollout_rows(cfg) % world or cfg.minibatch_size % world:
-        raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' must be "
-                          f"multiples of the number of processes ({world})")
+        raise ConfigError(
+            "config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'minibatch_size' "
+            f"must be multiples of the number of processes ({world})")
     if cfg.max_staleness and world > 1 and not cfg.rollout_ranks:
-        raise ConfigError("config key 'max_staleness': without rollout workers, one process only for now (its "
-                          "checkpoint holds one process's pending rollout)")
+        raise ConfigError(
+            "config key 'max_staleness': without rollout workers, one process only for now (its "
+            "checkpoint holds one process's pending rollout)")
 
 
 def check_batch(cfg: PPOConfig, train_rows, longest_prompt, policy_path, world, device):
-    """A batch the data or the memory cannot hold is refused before any work. From a prompts file, one rollout
-    samples rollout_batch_size distinct rows: more than the file's training rows would repeat prompts within the batch
-    (the way to sample a prompt more than once is n_samples_per_prompt, which groups the samples). Then the planner's
-    estimate of the rollout and update against the memory free now (ppo_core.run.plan.check_run_fits)."""
+    """A batch the data or the memory cannot hold is refused before any work: from a prompts file,
+    a rollout_batch_size above the file's training rows (a rollout samples distinct rows) is a
+    ConfigError; then the planner's estimate of the rollout and update is checked against the
+    memory free now (ppo_core.run.plan.check_run_fits). Why distinct rows:
+    docs/reliability.md#check_batch-distinct-prompts-in-a-rollout."""
     if cfg.prompts_file and cfg.rollout_batch_size > len(train_rows):
-        raise ConfigError(f"config key 'rollout_batch_size': {cfg.rollout_batch_size} prompts per iteration, but "
-                          f"{cfg.prompts_file} holds {len(train_rows)} training rows (held-out rows apart); lower "
-                          f"rollout_batch_size to at most {len(train_rows)} (and raise n_samples_per_prompt to sample "
-                          f"each prompt more than once)")
+        raise ConfigError(
+            f"config key 'rollout_batch_size': {cfg.rollout_batch_size} prompts per iteration, but "
+            f"{cfg.prompts_file} holds {len(train_rows)} training rows (held-out rows apart); "
+            f"lower rollout_batch_size to at most {len(train_rows)} (and raise "
+            "n_samples_per_prompt to sample each prompt more than once)")
     plan.check_run_fits(cfg, policy_path, longest_prompt, world, device)
 
 
 def check_roles(cfg: PPOConfig):
-    """With rollout workers, at least one process must be left to train. Every process checks it, workers too, so
+    """With rollout workers, at least one process must be left to train, and a rollout's rows must
+    split evenly over the workers: a ConfigError otherwise. Every process checks it, workers too, so
     that a job refused here ends on every process with the same line."""
     if cfg.rollout_ranks and dist.job_size() <= cfg.rollout_ranks:
-        raise ConfigError(f"config key 'rollout_ranks': {cfg.rollout_ranks} rollout worker(s) need a trainer beside "
-                          f"them: run under torchrun with more than {cfg.rollout_ranks} process(es) (this job has "
-                          f"{dist.job_size()})")
+        raise ConfigError(
+            f"config key 'rollout_ranks': {cfg.rollout_ranks} rollout worker(s) need a trainer "
+            f"beside them: run under torchrun with more than {cfg.rollout_ranks} process(es) (this "
+            f"job has {dist.job_size()})")
     if cfg.rollout_ranks and rollout_rows(cfg) % cfg.rollout_ranks:
-        raise ConfigError(f"config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'rollout_ranks': the "
-                          f"{rollout_rows(cfg)} rows of a rollout must split evenly over {cfg.rollout_ranks} rollout workers")
+        raise ConfigError(
+            "config keys 'rollout_batch_size' (times n_samples_per_prompt) and 'rollout_ranks': "
+            f"the {rollout_rows(cfg)} rows of a rollout must split evenly over {cfg.rollout_ranks} "
+            "rollout workers")
 
 
 def build_models(cfg: PPOConfig, policy_path, tokenizer, device, param_dtype):
-    """Policy, critic (None for the critic-free estimators: nothing built, trained or saved) and the frozen reference:
-    the policy itself when LoRA adapters switched off give the reference weights. `tokenizer`: the policy's, whose
-    vocabulary must fit the model's. A checkpoint that cannot be loaded is a CheckpointError naming its config key."""
+    """Policy, critic (None for the critic-free estimators: nothing built, trained or saved) and the
+    frozen reference: the policy itself when LoRA adapters switched off give the reference weights.
+    `tokenizer`: the policy's, whose vocabulary must fit the model's. A checkpoint that cannot be
+    loaded is a CheckpointError naming its config key."""
     with checkpoint_of("policy"):
         policy = load_model(policy_path, dtype=param_dtype, device=device)
-    with checkpoint_of("critic" if cfg.critic else "policy"):  # without a critic, the policy's backbone
-        critic = (load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device) if uses_critic(cfg)
-                  else None)
+    # without a critic, the policy's backbone
+    with checkpoint_of("critic" if cfg.critic else "policy"):
+        critic = (load_score_model(cfg.critic or policy_path, dtype=param_dtype, device=device)
+                  if uses_critic(cfg) else None)
     trainable = [m for m in (policy, critic) if m is not None]
     if cfg.lora_rank:
-        init = torch.Generator(device=device).manual_seed(cfg.seed + 2)  # the same adapters on every process
+        # the same adapters on every process
+        init = torch.Generator(device=device).manual_seed(cfg.seed + 2)
         for model in trainable:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha or None, generator=init)
     if cfg.lora_rank and not cfg.reference:
-        reference = policy  # the base weights: the policy with its adapters off (see rollout.reference_logprobs)
+        # the base weights: the policy with its adapters off (see rollout.reference_logprobs)
+        reference = policy
     else:
         with checkpoint_of("reference" if cfg.reference else "policy"):
             reference = load_model(cfg.reference or policy_path, dtype=param_dtype, device=device)
             reference.eval().requires_grad_(False)
     if tokenizer.vocab_size > policy.args.vocab_size:
-        raise CheckpointError(f"config key 'policy': the tokenizer of {policy_path} has {tokenizer.vocab_size} tokens "
-                              f"but the model's vocabulary is {policy.args.vocab_size}")
+        raise CheckpointError(
+            f"config key 'policy': the tokenizer of {policy_path} has {tokenizer.vocab_size} "
+            f"tokens but the model's vocabulary is {policy.args.vocab_size}")
     for model in trainable:
         model.model.gradient_checkpointing = cfg.gradient_checkpointing
     return policy, critic, reference
 
 
 def check_teacher(cfg: PPOConfig, policy_path, tokenizer):
-    """A teacher (cfg.teacher) scores the policy's sampled tokens by their ids, so it must read them as the policy
-    does: a checkpoint directory whose tokenizer maps every token to the policy's id and whose vocabulary size (its
-    LM head's rows, what its log-softmax normalises over) is the policy's. A ConfigError naming the key otherwise,
-    before any model is built. `tokenizer`: the policy's."""
+    """A teacher (cfg.teacher) must be a checkpoint directory whose tokenizer maps every token to
+    the policy's id and whose vocabulary size (its LM head's rows) is the policy's: a ConfigError
+    naming the key otherwise, before any model is built. `tokenizer`: the policy's. Why:
+    docs/reliability.md#check_teacher-a-teacher-reads-the-policys-token-ids."""
     if not cfg.teacher:
         return
     if not os.path.isdir(cfg.teacher):
         raise ConfigError(f"config key 'teacher': no such checkpoint directory: {cfg.teacher!r}")
     try:
-        teacher_vocab, policy_vocab = load_tokenizer(cfg.teacher).backend.get_vocab(), tokenizer.backend.get_vocab()
-        teacher_size, policy_size = read_config(cfg.teacher)["vocab_size"], read_config(policy_path)["vocab_size"]
+        teacher_vocab, policy_vocab = (load_tokenizer(cfg.teacher).backend.get_vocab(),
+                                       tokenizer.backend.get_vocab())
+        teacher_size, policy_size = (read_config(cfg.teacher)["vocab_size"],
+                                     read_config(policy_path)["vocab_size"])
     except (CheckpointError, FileNotFoundError) as e:
         raise ConfigError(f"config key 'teacher': {e}") from None
     if teacher_vocab != policy_vocab:
-        differ = min(set(teacher_vocab.items()) ^ set(policy_vocab.items()), key=lambda item: (item[1], item[0]))[0]
+        differ = min(set(teacher_vocab.items()) ^ set(policy_vocab.items()),
+                     key=lambda item: (item[1], item[0]))[0]
         def where(vocab):
             return f"id {vocab[differ]}" if differ in vocab else "absent"
-        raise ConfigError(f"config key 'teacher': the tokenizer of {cfg.teacher} differs from the policy's "
-                          f"({policy_path}): token {differ!r} is {where(teacher_vocab)} in the teacher's, "
-                          f"{where(policy_vocab)} in the policy's; a teacher must share the policy's tokenizer")
+        raise ConfigError(
+            f"config key 'teacher': the tokenizer of {cfg.teacher} differs from the policy's "
+            f"({policy_path}): token {differ!r} is {where(teacher_vocab)} in the teacher's, "
+            f"{where(policy_vocab)} in the policy's; a teacher must share the policy's tokenizer")
     if teacher_size != policy_size:
-        raise ConfigError(f"config key 'teacher': {cfg.teacher} has a vocabulary of {teacher_size} tokens, the policy "
-                          f"{policy_size}; a teacher's log-probs must be over the policy's vocabulary")
+        raise ConfigError(
+            f"config key 'teacher': {cfg.teacher} has a vocabulary of {teacher_size} tokens, the "
+            f"policy {policy_size}; a teacher's log-probs must be over the policy's vocabulary")
 
 
 def build_teacher(cfg: PPOConfig, device, param_dtype):
-    """The frozen teacher of on-policy distillation (cfg.teacher; checked by check_teacher), loaded as the reference
-    is; None without one."""
+    """The frozen teacher of on-policy distillation (cfg.teacher; checked by check_teacher), loaded
+    as the reference is; None without one."""
     if not cfg.teacher:
         return None
     return load_model(cfg.teacher, dtype=param_dtype, device=device).eval().requires_grad_(False)
 
 
 def check_chat_template(cfg: PPOConfig, tokenizer, policy_path):
-    """With cfg.chat_template, the policy's tokenizer must have a chat template to render prompts with."""
+    """With cfg.chat_template, the policy's tokenizer must have a chat template to render prompts
+    with: a ConfigError otherwise."""
     if cfg.chat_template:
         try:
             tokenizer.get_chat_template()
         except ValueError as e:  # none at all, or several and no default
-            raise ConfigError(f"config key 'chat_template': the policy {policy_path} cannot render a chat: {e}; "
-                              f"add chat_template.jinja, or drop --chat_template") from None
+            raise ConfigError(
+                f"config key 'chat_template': the policy {policy_path} cannot render a chat: {e}; "
+                f"add chat_template.jinja, or drop --chat_template") from None
 
 
 def make_reward_sources(cfg: PPOConfig, device, param_dtype):
-    """(the training reward source, the source that scores the held-out evaluations): the evaluations' is the training
-    reward, or cfg.eval_reward_fn alone when it is set (ppo_core.rewards.source)."""
+    """(the training reward source, the source that scores the held-out evaluations): the
+    evaluations' is the training reward, or cfg.eval_reward_fn alone when it is set
+    (ppo_core.rewards.source)."""
     reward_source = make_reward_source(cfg, device, param_dtype)
     eval_source = reward_source
     if cfg.eval_reward_fn:
-        eval_source = make_reward_source(dataclasses.replace(cfg, reward_fn=[cfg.eval_reward_fn], reward_weights=[],
-                                                             reward_model="", reward_url=[], judge=""),
-                                         key="eval_reward_fn")
+        eval_source = make_reward_source(
+            dataclasses.replace(cfg, reward_fn=[cfg.eval_reward_fn], reward_weights=[],
+                                reward_model="", reward_url=[], judge=""),
+            key="eval_reward_fn")
     return reward_source, eval_source
 
 
 def spread_over_processes(policy, critic, reference, teacher, reward_source, cfg, device):
-    """With more than one process: FSDP2-shard (cfg.parallel='fsdp') or DDP-wrap the trainable models, and
-    shard the frozen ones too with cfg.shard_frozen under FSDP. Returns the modules that training forwards
-    run through: (policy, critic) themselves, or their DDP wrappers. One process: the models as they are.
-    Every way computes in the precision of one process: the parameters' dtype, under the run's autocast."""
+    """With more than one process: FSDP2-shard (cfg.parallel='fsdp') or DDP-wrap the trainable
+    models, and shard the frozen ones too with cfg.shard_frozen under FSDP. Returns the modules that
+    training forwards run through: (policy, critic) themselves, or their DDP wrappers. One process:
+    the models as they are. Every way computes in the precision of one process: the parameters'
+    dtype, under the run's autocast."""
     if dist.world_size() == 1:
         return policy, critic
     if cfg.parallel == "ddp":
-        return dist.replicate(policy, device), dist.replicate(critic, device) if critic is not None else None
+        return (dist.replicate(policy, device),
+                dist.replicate(critic, device) if critic is not None else None)
     for model in (policy, critic):
         if model is not None:
             dist.shard(model, device, cpu_offload=cfg.cpu_offload)
@@ -537,15 +644,17 @@ def spread_over_processes(policy, critic, reference, teacher, reward_source, cfg
             dist.shard(reference, device)
         if teacher is not None:
             dist.shard(teacher, device)
-        if hasattr(reward_source, "model"):  # its score() reads the head outside forward: keep the root whole
+        # its score() reads the head outside forward: keep the root whole
+        if hasattr(reward_source, "model"):
             dist.shard(reward_source.model, device, root=False)
     return policy, critic
 
 
 def prompt_rows(cfg: PPOConfig):
-    """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat "messages" and any
-    extra columns (ppo_core.data.prompts). From prompts_file (its last eval_size rows held out, at most half, unless
-    eval_prompts_file is given), or the built-in task's seeded prompt stream and held-out set."""
+    """(training rows, held-out rows, the training stream). Rows are dicts with a "prompt" or chat
+    "messages" and any extra columns (ppo_core.data.prompts). From prompts_file (its last eval_size
+    rows held out, at most half, unless eval_prompts_file is given), or the built-in task's seeded
+    prompt stream and held-out set. A prompts file that cannot be read is a ConfigError."""
     if not cfg.prompts_file and cfg.task == "toolmul":  # a task of rows: prompt and answer
         held_out = toolmul_rows(cfg.eval_size, cfg.seed)
         return [], held_out, ToolmulStream(cfg.seed, [r["prompt"] for r in held_out])
@@ -564,23 +673,28 @@ def prompt_rows(cfg: PPOConfig):
 
 
 def encoded_lengths(cfg: PPOConfig, tokenizer, rows) -> list[int]:
-    """The token count of each row's prompt as the policy sees it (prompt_token_ids). A row the tokenizer cannot encode
-    (a character its vocabulary lacks, and no unknown token) is a ConfigError naming its file, row and character."""
+    """The token count of each row's prompt as the policy sees it (prompt_token_ids). A row the
+    tokenizer cannot encode (a character its vocabulary lacks, and no unknown token) is a
+    ConfigError naming its file, row and character."""
     lengths = []
-    with native_stderr_held():  # a tokenizer that panics (a runaway regex) is one line, not the library's backtrace
+    # a tokenizer that panics (a runaway regex) is one line, not the library's backtrace
+    with native_stderr_held():
         for row in rows:
             try:
                 lengths.append(len(prompt_token_ids(tokenizer, row, cfg)))
             except UnknownTextError as e:
-                files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
+                files = {"prompts_file": cfg.prompts_file,
+                         "eval_prompts_file": cfg.eval_prompts_file}
                 raise ConfigError(f"{where_is(row, files)}: {e}") from None
     return lengths
 
 
 def fit_context(cfg: PPOConfig, policy, train_rows, held_out, stream, prompt_lengths):
-    """Every prompt (prompt_lengths: the token counts of held_out + train_rows) must leave room in the policy's context
-    for max_new_tokens: one that does not is a ConfigError naming its file and line, or, with drop_overlong_prompts,
-    dropped. -> (train_rows, held_out, stream, the number of rows dropped); the stream is rebuilt on the rows kept."""
+    """Every prompt (prompt_lengths: the token counts of held_out + train_rows) must leave room in
+    the policy's context for max_new_tokens: one that does not is a ConfigError naming its file and
+    line, or, with drop_overlong_prompts, dropped (a ConfigError if that leaves no held-out or no
+    training rows). -> (train_rows, held_out, stream, the number of rows dropped); the stream is
+    rebuilt on the rows kept."""
     context = policy.args.max_position_embeddings
     fits = [n + cfg.max_new_tokens <= context for n in prompt_lengths]
     if all(fits):
@@ -588,95 +702,121 @@ def fit_context(cfg: PPOConfig, policy, train_rows, held_out, stream, prompt_len
     first = fits.index(False)
     files = {"prompts_file": cfg.prompts_file, "eval_prompts_file": cfg.eval_prompts_file}
     if not cfg.drop_overlong_prompts:
-        raise ConfigError(f"{where_is((held_out + train_rows)[first], files)}: the prompt has {prompt_lengths[first]} "
-                          f"tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds the model's context of {context} "
-                          f"tokens (drop_overlong_prompts=true drops such rows)")
+        raise ConfigError(
+            f"{where_is((held_out + train_rows)[first], files)}: the prompt has "
+            f"{prompt_lengths[first]} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds "
+            f"the model's context of {context} tokens (drop_overlong_prompts=true drops such rows)")
     held_out = [row for row, fit in zip(held_out, fits) if fit]
     kept = [row for row, fit in zip(train_rows, fits[len(fits) - len(train_rows):]) if fit]
     if not held_out or (train_rows and not kept):
-        raise ConfigError(f"config key 'drop_overlong_prompts': every {'held-out' if not held_out else 'training'} "
-                          f"prompt is longer than the model's context of {context} tokens leaves for "
-                          f"max_new_tokens={cfg.max_new_tokens}")
+        raise ConfigError(
+            "config key 'drop_overlong_prompts': every "
+            f"{'held-out' if not held_out else 'training'} prompt is longer than the model's "
+            f"context of {context} tokens leaves for max_new_tokens={cfg.max_new_tokens}")
     if train_rows:  # a prompts file's stream (a built-in task's makes its own short prompts)
         stream = RowStream(kept, cfg.seed)
     return kept, held_out, stream, fits.count(False)
 
 
 def check_prompts(cfg: PPOConfig, train_rows, held_out, reward_source, eval_source):
-    """The prompts against what reads them: the columns each reward source needs are there (or will be sampled: a
-    pairwise judge's reference responses) and no column would hide one of samples.jsonl's own. A ConfigError or
-    RewardError names the first misfit."""
-    columns = set(columns_of(train_rows + held_out)) | ({cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
-    reward_source.check_columns(sorted(columns))  # a column the reward needs is there (or will be sampled)
+    """The prompts against what reads them: the columns each reward source needs are there (or will
+    be sampled: a pairwise judge's reference responses) and no column would hide one of
+    samples.jsonl's own. A ConfigError or RewardError names the first misfit."""
+    columns = set(columns_of(train_rows + held_out)) | (
+        {cfg.judge_reference_column} if needs_reference_responses(cfg) else set())
+    # a column the reward needs is there (or will be sampled)
+    reward_source.check_columns(sorted(columns))
     if eval_source is not reward_source:
         eval_source.check_columns(sorted(set(columns_of(held_out))))
-    clash = [c for c in columns_of(train_rows) if c in ("step", "response", "reward") or c.startswith("reward/")]
+    clash = [c for c in columns_of(train_rows)
+             if c in ("step", "response", "reward") or c.startswith("reward/")]
     if cfg.log_samples_every and clash:
-        raise ConfigError(f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
-                          f"samples.jsonl's own '{clash[0]}'; rename that column")
+        raise ConfigError(
+            f"config key 'log_samples_every': the prompts file's column '{clash[0]}' would hide "
+            f"samples.jsonl's own '{clash[0]}'; rename that column")
 
 
 def open_run_dir(cfg: PPOConfig, policy_path, resume_from, precision):
-    """The run directory (ppo_core.run.runlog.RunDir), new or continued, its metrics and samples cut back to its latest
-    checkpoint; the log and the trackers open on it. -> (run_dir, latest checkpoint or None, log, tracker)."""
+    """The run directory (ppo_core.run.runlog.RunDir), new or continued, its metrics and samples cut
+    back to its latest checkpoint; the log and the trackers open on it.
+    -> (run_dir, latest checkpoint or None, log, tracker)."""
     run_dir = runlog.RunDir.open(cfg, policy_path, resume_from, precision.describe())
-    ckpt, ckpt_notes = checkpoint.resume_checkpoint(run_dir.path)  # verified against its manifest, else an older one
+    # the latest checkpoint verified against its manifest, else an older one
+    ckpt, ckpt_notes = checkpoint.resume_checkpoint(run_dir.path)
     # Metrics of iterations after the checkpoint belong to work a resume redoes.
     done = 0 if ckpt is None else checkpoint.checkpoint_step(ckpt)
-    torn = [run_dir.truncate_metrics(done), tracking.truncate_samples(run_dir.path, done)]  # a line if a torn end went
+    # for each file, a line if its torn end was dropped
+    torn = [run_dir.truncate_metrics(done), tracking.truncate_samples(run_dir.path, done)]
     log = runlog.Logger(run_dir, progress=cfg.progress)
-    # the run's first lines: a checkpoint skipped and why, or used unverified; a file's torn end dropped
+    # the run's first lines: a checkpoint skipped and why, or used unverified; a file's torn end
+    # dropped
     for note in ckpt_notes + [line for line in torn if line]:
         log.info(note)
-    if run_dir.replaced:  # a run that stopped before its first checkpoint, started again with another config
+    # a run that stopped before its first checkpoint, started again with another config
+    if run_dir.replaced:
         log.info(run_dir.replaced)
     if run_dir.precision_changed:
         log.info(run_dir.precision_changed)
-    tracker = tracking.Tracker(cfg.report_to, run_dir.path, {**to_dict(cfg), "policy": policy_path, "out": run_dir.path},
+    tracker = tracking.Tracker(cfg.report_to, run_dir.path,
+                               {**to_dict(cfg), "policy": policy_path, "out": run_dir.path},
                                os.path.basename(os.path.normpath(run_dir.path)), resume_step=done)
     return run_dir, ckpt, log, tracker
 
 
 def kl_controller(cfg: PPOConfig):
-    """The KL coefficient beta: adaptive towards cfg.kl_target (Ziegler et al. 2019), or fixed at cfg.kl_coef."""
-    return (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target > 0
-            else algo.FixedKLController(cfg.kl_coef))
+    """The KL coefficient beta: adaptive towards cfg.kl_target (Ziegler et al. 2019), or fixed at
+    cfg.kl_coef."""
+    return (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+            if cfg.kl_target > 0 else algo.FixedKLController(cfg.kl_coef))
 
 
-def log_first_lines(log, cfg: PPOConfig, policy_path, policy, teacher, world, device, run_dir, precision, train_rows,
-                    held_out):
-    """What a new run says first: the policy and where it runs, its teacher, its precision, its loss paths, its
-    prompts."""
-    log.info(f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) on {device}, "
-             f"run dir {run_dir.path}")
+def log_first_lines(log, cfg: PPOConfig, policy_path, policy, teacher, world, device, run_dir,
+                    precision, train_rows, held_out):
+    """What a new run says first: the policy and where it runs, its teacher, its precision, its loss
+    paths, its prompts."""
+    log.info(
+        f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) "
+        f"on {device}, run dir {run_dir.path}")
     if teacher is not None:
-        trains_on = ("the distillation advantage + the task reward's" if cfg.distill_with_reward
-                     else "the distillation advantage alone; the task reward is logged, not trained on")
-        log.info(f"teacher {cfg.teacher} ({teacher.num_parameters() / 1e6:.2f}M params): on-policy distillation, "
-                 f"distill_coef={cfg.distill_coef}, {trains_on}")
+        trains_on = (
+            "the distillation advantage + the task reward's" if cfg.distill_with_reward
+            else "the distillation advantage alone; the task reward is logged, not trained on")
+        log.info(
+            f"teacher {cfg.teacher} ({teacher.num_parameters() / 1e6:.2f}M params): on-policy "
+            f"distillation, distill_coef={cfg.distill_coef}, {trains_on}")
     log.info(f"precision: {precision_line(precision)}")
     log.info(f"loss paths: {loss_paths(cfg, device)}")
-    if cfg.prompts_file:  # the split of a prompts file is not obvious: a small file holds out half of itself
-        where = f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file else "(the file's last rows, at most half)"
-        log.info(f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} held out {where}")
+    # the split of a prompts file is not obvious: a small file holds out half of itself
+    if cfg.prompts_file:
+        where = (f"from {cfg.eval_prompts_file}" if cfg.eval_prompts_file
+                 else "(the file's last rows, at most half)")
+        log.info(
+            f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} "
+            f"held out {where}")
 
 
 # ---------------------------------------------------------------------------- an iteration's record
 
-def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic, cfg: PPOConfig, seconds):
-    """Iteration `it`'s line of metrics.jsonl, over the global batch (every process's rows gathered). seconds: the
-    time.perf_counter() readings at the rollout's start, the update's start and its end."""
+def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic,
+                      cfg: PPOConfig, seconds):
+    """Iteration `it`'s line of metrics.jsonl, over the global batch (every process's rows
+    gathered). seconds: the time.perf_counter() readings at the rollout's start, the update's start
+    and its end."""
     t_roll, t_train, t_end = seconds
     generate_s = filter_stats.pop("time/generate_s")
     mask = dist.all_gather_rows(rollout.response_mask)
-    old_lp, ref_lp = dist.all_gather_rows(rollout.old_logprobs), dist.all_gather_rows(rollout.ref_logprobs)
+    old_lp, ref_lp = (dist.all_gather_rows(rollout.old_logprobs),
+                      dist.all_gather_rows(rollout.ref_logprobs))
     scores = dist.all_gather_rows(rollout.scores)
-    advantages, returns = dist.all_gather_rows(rollout.advantages), dist.all_gather_rows(rollout.returns)
+    advantages, returns = (dist.all_gather_rows(rollout.advantages),
+                           dist.all_gather_rows(rollout.returns))
     kl_tok = algo.kl_estimate(old_lp, ref_lp, "k1")
     distill = {}
-    if rollout.teacher_logprobs is not None:  # KL(pi_old || teacher), k1 per token: what distillation drives down
+    # KL(pi_old || teacher), k1 per token: what distillation drives down
+    if rollout.teacher_logprobs is not None:
         teacher_lp = dist.all_gather_rows(rollout.teacher_logprobs)
-        distill["distill/reverse_kl"] = algo.masked_mean(algo.kl_estimate(old_lp, teacher_lp, "k1"), mask).item()
+        distill["distill/reverse_kl"] = algo.masked_mean(algo.kl_estimate(old_lp, teacher_lp, "k1"),
+                                                         mask).item()
     metrics = {
         "step": it + 1,
         "reward/mean": scores.mean().item(),
@@ -699,17 +839,20 @@ def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, op
         "lr": cfg.lr * opts.lr_scales(max(0, opts.step_count - 1))[0],
         "time/rollout_s": t_train - t_roll,
         "time/generate_s": generate_s,  # the rollout's decoding; the rest of it is time/score_s
-        "time/score_s": t_train - t_roll - generate_s,  # reward, old/reference log-probs, values, advantages
+        # reward, old/reference log-probs, values, advantages
+        "time/score_s": t_train - t_roll - generate_s,
         "time/train_s": t_end - t_train,
         "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
     }
     if critic is not None:
-        metrics["value/explained_var"] = algo.explained_variance(dist.all_gather_rows(rollout.old_values), returns, mask)
+        metrics["value/explained_var"] = algo.explained_variance(
+            dist.all_gather_rows(rollout.old_values), returns, mask)
     return metrics
 
 
 def write_samples(cfg: PPOConfig, run_dir, tracker, tokenizer, it, sampled):
-    """Every cfg.log_samples_every iterations: iteration `it`'s samples to samples.jsonl and the trackers."""
+    """Every cfg.log_samples_every iterations: iteration `it`'s samples to samples.jsonl and the
+    trackers."""
     if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
         samples = sample_rows(sampled, tokenizer)
         tracking.write_samples(run_dir.path, samples, it + 1)
@@ -717,7 +860,8 @@ def write_samples(cfg: PPOConfig, run_dir, tracker, tokenizer, it, sampled):
 
 
 def run_summary(ckpts, after, after_greedy, prompts) -> dict:
-    """summary.json: the held-out reward before and after training, the final KL, the run's length and time."""
+    """summary.json: the held-out reward before and after training, the final KL, the run's length
+    and time."""
     cfg, state = ckpts.cfg, ckpts.state
     return {
         "eval/reward_before": state["eval_before"],
@@ -725,7 +869,8 @@ def run_summary(ckpts, after, after_greedy, prompts) -> dict:
         "eval/greedy_reward_before": state["eval_before_greedy"],
         "eval/greedy_reward_after": after_greedy,
         "eval/prompts": prompts,
-        # k3 = E[r - 1 - log r] >= 0 per token, r = ref / pi: the sampled k1 mean can read below 0 on a short run
+        # k3 = E[r - 1 - log r] >= 0 per token, r = ref / pi: the sampled k1 mean can read below 0
+        # on a short run
         "kl/final": state.get("last_kl_k3", 0.0),
         "iterations": cfg.iterations,
         "skipped_updates": ckpts.opts.skipped,
@@ -734,11 +879,12 @@ def run_summary(ckpts, after, after_greedy, prompts) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------- checkpoints and early stops
+# ---------------------------------------------------------------------- checkpoints and early stops
 
 class StopRequested(Exception):
-    """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops, or (abandoned=True) stops without one: its
-    iteration was abandoned, and what that iteration started may still be running (a reward function's threads)."""
+    """SIGTERM / SIGINT arrived; the run saved a checkpoint and stops, or (abandoned=True) stops
+    without one: its iteration was abandoned, and what that iteration started may still be running
+    (a reward function's threads)."""
 
     def __init__(self, message, abandoned=False):
         super().__init__(message)
@@ -746,23 +892,29 @@ class StopRequested(Exception):
 
 
 class RewardServerDown(Exception):
-    """A reward server stayed unreachable (ppo_core.rewards.remote.RewardUnavailable); the run saved what it could and
-    stops with exit status 3, to be continued with --resume once the server is back."""
+    """A reward server stayed unreachable (ppo_core.rewards.remote.RewardUnavailable); the run saved
+    what it could and stops with exit status 3, to be continued with --resume once the server is
+    back."""
 
 
-EXIT_REWARD_SERVER_DOWN = 3  # not 2 (bad input): nothing is wrong with the run, it can continue
-EXIT_DISK_FULL = 4  # not 2 either: the run can continue (--resume) once there is space (runlog.disk_full_line)
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it: a Ctrl-C in the start-up (runlog.interrupted_line)
+# not 2 (bad input): nothing is wrong with the run, it can continue
+EXIT_REWARD_SERVER_DOWN = 3
+# not 2 either: the run can continue (--resume) once there is space (runlog.disk_full_line)
+EXIT_DISK_FULL = 4
+# 128 + SIGINT, as a shell reports it: a Ctrl-C in the start-up (runlog.interrupted_line)
+EXIT_INTERRUPTED = 130
 
 
 def resume_point(stream, generators, opts):
-    """What a rollout advances and a checkpoint saves, as of now (the end of the previous iteration): the prompt
-    stream's position, every RNG state and the optimizer step count. -> a function that puts them back, so that a
-    checkpoint saved after a rollout the reward server failed resumes by redoing that iteration exactly. (Weights,
-    optimizer moments and the KL controller change only after the rollout.)"""
+    """What a rollout advances and a checkpoint saves, as of now (the end of the previous
+    iteration): the prompt stream's position, every RNG state and the optimizer step count. -> a
+    function that puts them back, so that a checkpoint saved after a rollout the reward server
+    failed resumes by redoing that iteration exactly. Why these suffice:
+    docs/reliability.md#resume_point-redoing-an-iteration-exactly."""
     stream_state, step_count, iteration = stream.state_dict(), opts.step_count, opts.iteration
     generator_states = {name: g.get_state() for name, g in generators.items()}
-    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    cpu_rng, cuda_rng = (torch.get_rng_state(),
+                         torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     python_rng, numpy_rng = random.getstate(), np.random.get_state()
 
     def restore():
@@ -778,29 +930,36 @@ def resume_point(stream, generators, opts):
     return restore
 
 
-# What the loop keeps in a checkpoint's trainer_state.json beside ppo_core.run.checkpoint's own keys, checked on
-# resume (checkpoint.STATE_SCHEMA's form: a type, a nested dict, [type] for a list; a '?' key may be absent).
+# What the loop keeps in a checkpoint's trainer_state.json beside ppo_core.run.checkpoint's own
+# keys, checked on resume (checkpoint.STATE_SCHEMA's form: a type, a nested dict, [type] for a
+# list; a '?' key may be absent).
 NUMBER = (int, float)
 TRAINER_STATE = {"optimizer_step": int, "skipped_updates": int, "kl_controller": {"value": NUMBER},
-                 "prompt_stream": {"seed": int, "drawn": int}, "eval_before": NUMBER, "eval_before_greedy": NUMBER,
-                 "last_kl": NUMBER, "last_kl_k3?": NUMBER, "elapsed_s?": NUMBER, "pending_metrics?": dict,
-                 "pending_rollout?": dict}
+                 "prompt_stream": {"seed": int, "drawn": int}, "eval_before": NUMBER,
+                 "eval_before_greedy": NUMBER, "last_kl": NUMBER, "last_kl_k3?": NUMBER,
+                 "elapsed_s?": NUMBER, "pending_metrics?": dict, "pending_rollout?": dict}
 
 
 class Checkpoints:
-    """The run's checkpoints: saving one, resuming from one, and the early stops, which save one where there is
-    something to save and raise what main() turns into the exit status the README documents.
+    """The run's checkpoints: saving one, resuming from one, and the early stops, which save one
+    where there is something to save and raise what main() turns into the exit status the README
+    documents.
 
-    A checkpoint (ppo_core.run.checkpoint) holds the policy and critic with their optimizers, the generators and every RNG,
-    and `state`: the optimizer step count and skipped updates, the KL controller, the prompt stream's position, the
-    evaluations before training, the last iteration's mean KL, the run's wall time so far and, when a reward server
-    failed an iteration's evaluation, that iteration's metrics ("pending_metrics"), which a resume completes."""
+    A checkpoint (ppo_core.run.checkpoint) holds the policy and critic with their optimizers, the
+    generators and every RNG, and `state`: the optimizer step count and skipped updates, the KL
+    controller, the prompt stream's position, the evaluations before training, the last
+    iteration's mean KL, the run's wall time so far and, when a reward server failed an
+    iteration's evaluation, that iteration's metrics ("pending_metrics"), which a resume
+    completes."""
 
-    def __init__(self, cfg: PPOConfig, run_dir, log, tracker, policy, critic, tokenizer, opts, generators, kl_ctl, stream):
+    def __init__(self, cfg: PPOConfig, run_dir, log, tracker, policy, critic, tokenizer, opts,
+                 generators, kl_ctl, stream):
         self.cfg, self.run_dir, self.log, self.tracker = cfg, run_dir, log, tracker
-        self.policy, self.critic, self.tokenizer, self.sharded = policy, critic, tokenizer, dist.is_sharded(policy)
+        self.policy, self.critic, self.tokenizer, self.sharded = (policy, critic, tokenizer,
+                                                                  dist.is_sharded(policy))
         self.opts, self.generators, self.kl_ctl, self.stream = opts, generators, kl_ctl, stream
-        self.state = {"last_kl": 0.0, "last_kl_k3": 0.0}  # + eval_before(_greedy); a resume loads the saved one into this dict (see save)
+        # + eval_before(_greedy); a resume loads the saved one into this dict (see save)
+        self.state = {"last_kl": 0.0, "last_kl_k3": 0.0}
         self.t0 = time.perf_counter()
 
     def elapsed(self):
@@ -808,39 +967,44 @@ class Checkpoints:
         return self.state.get("elapsed_s", 0.0) + time.perf_counter() - self.t0
 
     def resume(self, ckpt) -> int:
-        """Checkpoint `ckpt` put back into the models, optimizers, generators, KL controller, prompt stream and `state`;
-        -> the iteration it was saved at."""
+        """Checkpoint `ckpt` put back into the models, optimizers, generators, KL controller, prompt
+        stream and `state`; -> the iteration it was saved at."""
         opts = self.opts
         self.state.clear()  # the same dict, loaded in place: the loop holds it
-        self.state.update(checkpoint.load_training_state(ckpt, policy=self.policy, critic=self.critic,
-                                                         policy_opt=opts.policy_opt, critic_opt=opts.critic_opt,
-                                                         generators=self.generators, sharded=self.sharded))
-        checkpoint.check_state(self.state, TRAINER_STATE, ckpt)  # the loop's own keys, before any is used
+        self.state.update(checkpoint.load_training_state(
+            ckpt, policy=self.policy, critic=self.critic, policy_opt=opts.policy_opt,
+            critic_opt=opts.critic_opt, generators=self.generators, sharded=self.sharded))
+        # the loop's own keys, before any is used
+        checkpoint.check_state(self.state, TRAINER_STATE, ckpt)
         opts.step_count, opts.skipped = self.state["optimizer_step"], self.state["skipped_updates"]
         self.kl_ctl.load_state_dict(self.state["kl_controller"])
         self.stream.load_state_dict(self.state["prompt_stream"])
-        self.log.info(f"resuming {self.run_dir.path} from {ckpt} (iteration {self.state['step']} of {self.cfg.iterations})")
+        self.log.info(
+            f"resuming {self.run_dir.path} from {ckpt} (iteration {self.state['step']} of "
+            f"{self.cfg.iterations})")
         return self.state["step"]
 
     def save(self, step):
-        """Write checkpoints/step-{step}: the models, optimizers, generators and RNGs, and `state` (ppo_core.run.checkpoint)."""
+        """Write checkpoints/step-{step}: the models, optimizers, generators and RNGs, and `state`
+        (ppo_core.run.checkpoint)."""
         opts, state = self.opts, self.state
-        return self.run_dir.save_checkpoint(step, sharded=self.sharded, policy=self.policy, critic=self.critic,
-                                            tokenizer=self.tokenizer, policy_opt=opts.policy_opt,
-                                            critic_opt=opts.critic_opt, generators=self.generators,
-                                            state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
-                                                   "kl_controller": self.kl_ctl.state_dict(),
-                                                   "prompt_stream": self.stream.state_dict(),
-                                                   "eval_before": state["eval_before"],
-                                                   "eval_before_greedy": state["eval_before_greedy"],
-                                                   "last_kl": state["last_kl"],
-                                                   "last_kl_k3": state.get("last_kl_k3", 0.0),
-                                                   "elapsed_s": self.elapsed(),
-                                                   **({"pending_metrics": state["pending_metrics"]}
-                                                      if "pending_metrics" in state else {}),
-                                                   **({"pending_rollout": state_lists(state["pending_rollout"])}
-                                                      if "pending_rollout" in state else {})},
-                                            keep=self.cfg.keep_checkpoints)
+        return self.run_dir.save_checkpoint(
+            step, sharded=self.sharded, policy=self.policy, critic=self.critic,
+            tokenizer=self.tokenizer, policy_opt=opts.policy_opt, critic_opt=opts.critic_opt,
+            generators=self.generators,
+            state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
+                   "kl_controller": self.kl_ctl.state_dict(),
+                   "prompt_stream": self.stream.state_dict(),
+                   "eval_before": state["eval_before"],
+                   "eval_before_greedy": state["eval_before_greedy"],
+                   "last_kl": state["last_kl"],
+                   "last_kl_k3": state.get("last_kl_k3", 0.0),
+                   "elapsed_s": self.elapsed(),
+                   **({"pending_metrics": state["pending_metrics"]}
+                      if "pending_metrics" in state else {}),
+                   **({"pending_rollout": state_lists(state["pending_rollout"])}
+                      if "pending_rollout" in state else {})},
+            keep=self.cfg.keep_checkpoints)
 
     def close(self):
         """The log and the trackers closed: the run ends here."""
@@ -849,13 +1013,15 @@ class Checkpoints:
     def saved_line(self, step) -> str:
         """Where the checkpoint of an early stop is, and the command that continues the run."""
         path = self.run_dir.path
-        return f"saved checkpoint at iteration {step} of {self.cfg.iterations} in {path}; continue with: ppo-train --resume {path}"
+        return (f"saved checkpoint at iteration {step} of {self.cfg.iterations} in {path}; "
+                f"continue with: ppo-train --resume {path}")
 
     @contextlib.contextmanager
     def saved_if_server_down(self, step, where="", pending=None, samples=None, first=None):
-        """A reward server that stays down in the block (RemoteReward's RewardUnavailable) stops the run: first() (it
-        puts back what a resume redoes), iteration samples[0]'s samples written, metrics `pending` kept for a resume to
-        complete, a checkpoint at iteration `step`, and RewardServerDown, naming `where` and how to continue."""
+        """A reward server that stays down in the block (RemoteReward's RewardUnavailable) stops the
+        run: first() (it puts back what a resume redoes), iteration samples[0]'s samples written,
+        metrics `pending` kept for a resume to complete, a checkpoint at iteration `step`, and
+        RewardServerDown, naming `where` and how to continue."""
         try:
             yield
         except RewardUnavailable as e:
@@ -871,14 +1037,17 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def redone_if_server_down(self, it):
-        """saved_if_server_down for iteration `it`'s rollout: the checkpoint is that of the iteration's start (the prompt
-        stream, the RNGs and the step count as they were), so a resume redoes the iteration exactly."""
-        with self.saved_if_server_down(it, first=resume_point(self.stream, self.generators, self.opts)):
+        """saved_if_server_down for iteration `it`'s rollout: the checkpoint is that of the
+        iteration's start (the prompt stream, the RNGs and the step count as they were), so a resume
+        redoes the iteration exactly."""
+        with self.saved_if_server_down(
+                it, first=resume_point(self.stream, self.generators, self.opts)):
             yield
 
     @contextlib.contextmanager
     def stopped_if_server_down(self, what):
-        """A reward server down in the block stops the run with nothing (more) to save: RewardServerDown "{e} {what}"."""
+        """A reward server down in the block stops the run with nothing (more) to save:
+        RewardServerDown "{e} {what}"."""
         try:
             yield
         except RewardUnavailable as e:
@@ -886,30 +1055,37 @@ class Checkpoints:
             raise RewardServerDown(f"{e} {what}") from None
 
     def finish_pending_iteration(self, step, evaluate_policy):
-        """A run stopped in iteration `step`'s evaluation (its update saved, its samples written): the evaluation, then
-        the iteration's metrics logged, and a checkpoint without them, so that a later resume does not log them twice."""
+        """A run stopped in iteration `step`'s evaluation (its update saved, its samples written):
+        the evaluation, then the iteration's metrics logged, and a checkpoint without them, so that
+        a later resume does not log them twice."""
         metrics = self.state.pop("pending_metrics")
-        with self.saved_if_server_down(step, f" in the evaluation of iteration {step}", pending=metrics):
+        with self.saved_if_server_down(step, f" in the evaluation of iteration {step}",
+                                       pending=metrics):
             metrics["eval/reward"] = evaluate_policy()
         self.log.metrics(metrics)  # its samples were written before the stop
         self.tracker.log(metrics, step)
         self.save(step)
 
     def abandoned_line(self, why, iteration) -> str:
-        """What a run says when iteration `iteration` was abandoned (runlog.StopSignals says `why`): the checkpoint
-        that is intact and how to resume from it, or, before the first checkpoint, that there is nothing to resume."""
+        """What a run says when iteration `iteration` was abandoned (runlog.StopSignals says `why`):
+        the checkpoint that is intact and how to resume from it, or, before the first checkpoint,
+        that there is nothing to resume."""
         ckpt = self.run_dir.latest_checkpoint()
         if ckpt is None:
-            return (f"{why}: abandoned iteration {iteration}; no checkpoint was saved yet, so there is nothing to "
-                    f"resume: run the same command again to start over")
-        return (f"{why}: abandoned iteration {iteration}; the checkpoint of iteration "
-                f"{checkpoint.checkpoint_step(ckpt)} is intact; resume with: ppo-train --resume {self.run_dir.path}")
+            return (
+                f"{why}: abandoned iteration {iteration}; no checkpoint was saved yet, so there is "
+                "nothing to resume: run the same command again to start over")
+        return (
+            f"{why}: abandoned iteration {iteration}; the checkpoint of iteration "
+            f"{checkpoint.checkpoint_step(ckpt)} is intact; resume with: ppo-train --resume "
+            f"{self.run_dir.path}")
 
     @contextlib.contextmanager
     def stopped_if_abandoned(self, stop: runlog.StopSignals):
-        """An iteration abandoned in its work (runlog.StopSignals: a second SIGTERM / SIGINT, or stop_grace_s after
-        the first) stops the run with the last checkpoint as it was: StopRequested (exit status 143, abandoned=True),
-        with abandoned_line. (A loop that does not come out in time is ended by StopSignals' watchdog, same line.)"""
+        """An iteration abandoned in its work (runlog.StopSignals: a second SIGTERM / SIGINT, or
+        stop_grace_s after the first) stops the run with the last checkpoint as it was:
+        StopRequested (exit status 143, abandoned=True), with abandoned_line. (A loop that does not
+        come out in time is ended by StopSignals' watchdog, same line.)"""
         try:
             yield
         except runlog.IterationAbandoned as e:
@@ -917,8 +1093,8 @@ class Checkpoints:
             raise StopRequested(self.abandoned_line(e, stop.iteration), abandoned=True) from None
 
     def stop_if_requested(self, stop: runlog.StopSignals, step):
-        """SIGTERM / SIGINT arrived during iteration `step`, whose checkpoint is saved, and more were to come:
-        StopRequested (exit status 143)."""
+        """SIGTERM / SIGINT arrived during iteration `step`, whose checkpoint is saved, and more
+        were to come: StopRequested (exit status 143)."""
         if stop.requested and step < self.cfg.iterations:
             self.close()
             raise StopRequested(f"received {stop.requested}; {self.saved_line(step)}")
@@ -929,13 +1105,15 @@ class Checkpoints:
 USAGE = """usage: ppo-train [--config FILE.toml] [--KEY=VALUE ...]
        ppo-train --resume RUN_DIR
 
-Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the 'reverse' task, CPU).
-Every field of ppo_core.config.PPOConfig is a --KEY (listed below; configs/default.toml has them all).
---resume continues a run from its latest checkpoint, with the config saved in RUN_DIR/config.json.
-Exit status: 0 done; 1 too many non-finite updates; 2 bad input (one line); 3 a reward server (--reward_url) stayed
-unreachable: a checkpoint is saved, continue with --resume once it is back; 4 the disk is full: the last checkpoint and
-every whole metrics line are kept, continue with --resume once there is space; 143 stopped by SIGTERM / SIGINT;
-130 SIGINT in the start-up (one line)."""
+Runs PPO. With no arguments: the default job (the shipped demo checkpoint, the 'reverse' task,
+CPU). Every field of ppo_core.config.PPOConfig is a --KEY (listed below; configs/default.toml has
+them all). --resume continues a run from its latest checkpoint, with the config saved in
+RUN_DIR/config.json.
+Exit status: 0 done; 1 too many non-finite updates; 2 bad input (one line); 3 a reward server
+(--reward_url) stayed unreachable: a checkpoint is saved, continue with --resume once it is back;
+4 the disk is full: the last checkpoint and every whole metrics line are kept, continue with
+--resume once there is space; 143 stopped by SIGTERM / SIGINT; 130 SIGINT in the start-up (one
+line)."""
 
 
 # what --resume may change: the progress bar, and where the reward server now is
@@ -943,15 +1121,18 @@ RESUME_OVERRIDES = ("progress", "reward_url", "reward_timeout_s", "reward_retrie
 
 
 def run_path(cfg, resume):
-    """The run directory this command writes (or would have, for an error found before it was opened): --resume's,
-    --out, else runlog.default_run_path as of now; None before the config is read."""
+    """The run directory this command writes (or would have, for an error found before it was
+    opened): --resume's, --out, else runlog.default_run_path as of now; None before the config is
+    read."""
     if resume or cfg is None:
         return resume
-    return cfg.out or runlog.default_run_path(cfg, cfg.policy or DEMO_CHECKPOINTS[cfg.task], datetime.datetime.now())
+    return cfg.out or runlog.default_run_path(cfg, cfg.policy or DEMO_CHECKPOINTS[cfg.task],
+                                              datetime.datetime.now())
 
 
 def say(line):
-    """One line on stderr, its credentials redacted (ppo_core.rewards.redact): every line main() prints."""
+    """One line on stderr, its credentials redacted (ppo_core.rewards.redact): every line main()
+    prints."""
     print(redact(line), file=sys.stderr)
 
 
@@ -961,35 +1142,48 @@ def redacted_excepthook(kind, error, tb):
 
 
 def main(argv=None):
+    """The ppo-train command line, argv (default sys.argv[1:]) as USAGE describes (-h: USAGE and
+    the config keys). -> the exit status USAGE lists; any but 0 comes with one line on stderr (a
+    reward server down: rank 0's), credentials redacted. An unforeseen error propagates, its
+    traceback redacted (redacted_excepthook); a stop that abandoned an iteration ends the process
+    here, os._exit(143)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + help_text())
         return 0
-    # the URLs' credentials on the command line, and the reward server's keys, are never printed or written
+    # the URLs' credentials on the command line, and the reward server's keys, are never printed
+    # or written
     forget_secrets()
     remember_secrets(argv)
-    remember_secrets([os.environ.get(name, "") for name in (API_KEY_ENV, *PROXY_AUTH_ENV)], whole=True)
+    remember_secrets([os.environ.get(name, "") for name in (API_KEY_ENV, *PROXY_AUTH_ENV)],
+                     whole=True)
     sys.excepthook = redacted_excepthook
-    sys.argv[:] = redact(sys.argv)  # what other libraries record of the command (W&B's metadata keeps sys.argv)
+    # what other libraries record of the command (W&B's metadata keeps sys.argv)
+    sys.argv[:] = redact(sys.argv)
     cfg = resume = None
     try:
         own, overrides = parse_cli(argv)
         resume = own.get("resume")
         if resume:
             if "config" in own or set(overrides) - set(RESUME_OVERRIDES):
-                raise ConfigError("--resume takes the run's own config from RUN_DIR/config.json; it cannot be combined "
-                                  f"with --config or other keys (only --{', --'.join(RESUME_OVERRIDES)})")
+                raise ConfigError(
+                    "--resume takes the run's own config from RUN_DIR/config.json; it cannot be "
+                    "combined with --config or other keys (only "
+                    f"--{', --'.join(RESUME_OVERRIDES)})")
             cfg = build_config(runlog.RunDir.saved_config(resume), overrides)
-            if any("***" in url for url in cfg.reward_url):  # config.json keeps URLs without their credentials
-                raise ConfigError(f"--resume: {resume}/config.json keeps reward_url without its credential "
-                                  f"({', '.join(cfg.reward_url)}); give the URL again: --resume {resume} --reward_url URL")
+            # config.json keeps URLs without their credentials
+            if any("***" in url for url in cfg.reward_url):
+                raise ConfigError(
+                    f"--resume: {resume}/config.json keeps reward_url without its credential "
+                    f"({', '.join(cfg.reward_url)}); give the URL again: --resume {resume} "
+                    "--reward_url URL")
         else:
             toml_values = load_toml(own["config"]) if "config" in own else {}
             remember_secrets(toml_values)
             cfg = build_config(toml_values, overrides, own.get("config", ""))
         run(cfg, resume_from=resume)
-    except (ConfigError, CheckpointError, RewardError, PromptsError, tracking.TrackingError, runlog.RunDirError,
-            plan.PlanError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, RewardError, PromptsError, tracking.TrackingError,
+            runlog.RunDirError, plan.PlanError, FileNotFoundError) as e:
         # a reward function's traceback, or that of a user's file that did not import: DIR/error.log
         say(f"ppo-train: error: {runlog.log_error(e, run_path(cfg, resume))}")
         return 2
@@ -998,15 +1192,18 @@ def main(argv=None):
         return 1
     except StopRequested as e:
         say(f"ppo-train: {e}")
-        if e.abandoned:  # threads the abandoned work left running (a reward function's pool) would hold up the
-            sys.stdout.flush(), sys.stderr.flush()  # interpreter's exit, which joins them: the process ends here
+        if e.abandoned:
+            # threads the abandoned work left running (a reward function's pool) would hold up the
+            # interpreter's exit, which joins them: the process ends here
+            sys.stdout.flush(), sys.stderr.flush()
             os._exit(143)
         return 143
     except RewardServerDown as e:
         if dist.rank() == 0:  # every process stops at once; one line
             say(f"ppo-train: {e}")
         return EXIT_REWARD_SERVER_DOWN
-    except KeyboardInterrupt:  # SIGINT where runlog.StopSignals does not take it: the start-up, the final evaluation
+    except KeyboardInterrupt:
+        # SIGINT where runlog.StopSignals does not take it: the start-up, the final evaluation
         say(f"ppo-train: {runlog.interrupted_line(run_path(cfg, resume))}")
         return EXIT_INTERRUPTED
     except Exception as e:  # last: the clauses above are Exceptions too

@@ -218,3 +218,13 @@ def test_a_spec_naming_a_module_by_its_place_before_the_move_still_loads():
     new_fn = import_callable("ppo_core.rewards.verifiers:last_number_reward")
     assert import_callable("ppo_core.verifiers:last_number_reward") is new_fn
     assert import_callable("ppo_core.tasks:reverse_rewards") is import_callable("ppo_core.data.tasks:reverse_rewards")
+
+
+def test_the_researchers_files_keep_their_lines_within_100_columns():
+    """The files a researcher reads first (the top of ppo_core/) read without scrolling sideways: no line over 100
+    characters; derivations and measurements live in docs/, with a pointer in the docstring."""
+    folder = PACKAGES["ppo_core"]
+    long = [f"{name}.py:{i}: {len(line)}" for name in sorted(TOP_LEVEL)
+            for i, line in enumerate(open(os.path.join(folder, f"{name}.py"), encoding="utf-8").read().split("\n"), 1)
+            if len(line) > 100]
+    assert not long, f"lines over 100 characters: {long[:10]}{' ...' if len(long) > 10 else ''}"
