@@ -229,7 +229,7 @@ def count_full_rows(responses, response_mask, new):
 def run_ppo_core(args, paths, precision, side):
     """ppo_core.train.run on the scratch checkpoint, in this process; -> the result dict (see main)."""
     from ppo_core import rollout, train
-    from ppo_core.run import runlog
+    from ppo_core.run import runlog, start
     from ppo_core import config as ppo_config
     from ppo_core.config import PPOConfig
 
@@ -238,7 +238,7 @@ def run_ppo_core(args, paths, precision, side):
 
     real_build, real_sample, real_rollout, real_update = (train.build_models, rollout.sample_responses,
                                                           train.iteration_rollout, train.ppo_update)
-    real_reward_source, real_sample_and_score = train.make_reward_source, rollout.sample_and_score
+    real_reward_source, real_sample_and_score = start.make_reward_source, rollout.sample_and_score
 
     def build_models(*a, **k):
         policy, critic, reference = real_build(*a, **k)
@@ -281,7 +281,7 @@ def run_ppo_core(args, paths, precision, side):
             state["per_iteration"].append({"rows": list(state["rows"]), "steps": steps.take(),
                                            "cpu_s": time.process_time() - state["cpu_start"]})
 
-    train.build_models, train.make_reward_source = build_models, make_reward_source
+    train.build_models, start.make_reward_source = build_models, make_reward_source  # where run() and make_reward_sources look them up
     rollout.sample_responses, rollout.sample_and_score = sample_responses, sample_and_score  # where the rollout looks them up
     train.iteration_rollout, train.ppo_update = iteration_rollout, ppo_update
     runlog.RunDir.save_checkpoint = lambda self, step, **kwargs: None  # the final save measures the disk

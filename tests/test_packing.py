@@ -433,7 +433,7 @@ path, out, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 rank, world, device = dist.init("cpu")
 source = RewardModelReward(path, build_config(overrides={"reward_model": path, "micro_batch_tokens": "16"}), "cpu",
                            torch.float64)
-dist.shard(source.model, device, root=False)  # as ppo_core.train.spread_over_processes shards it (shard_frozen)
+dist.shard(source.model, device, root=False)  # as ppo_core.run.start.spread_over_processes shards it (shard_frozen)
 # Each block is then an FSDP root of its own, which FSDP2 keeps gathered after its first forward: made to free its
 # weights after every forward, as a non-root unit does, so that every forward all-gathers.
 for block in source.model.model.layers:

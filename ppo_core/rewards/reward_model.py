@@ -64,7 +64,7 @@ class RewardModelReward:
         encoded = [e or [pad] for e in encoded]
         lengths = [len(e) for e in encoded]
         micro_batches = token_budget_micro_batches(list(range(len(encoded))), lengths, self.cfg.micro_batch_tokens)
-        # Sharded over processes (parallel='fsdp' with shard_frozen: ppo_core.train.spread_over_processes), a forward
+        # Sharded over processes (parallel='fsdp' with shard_frozen: ppo_core.run.start.spread_over_processes), a forward
         # all-gathers each block's weights, so every process runs as many forwards though their texts, and so their
         # micro-batch counts, differ: the most of any process, agreed before the first forward (collectives must come
         # in the same order everywhere), the missing ones as forwards of one token.
