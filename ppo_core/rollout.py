@@ -27,7 +27,8 @@ path's forward over them (old, reference and teacher log-probs, entropy, values)
              multi-turn episodes (cfg.environment, ppo_core.agents.environments), scored by their
              environments
   state:     sampled_state / sampled_from_state carry a Sampled through a checkpoint or to a
-             trainer (ppo_core.run.rollout_worker); sample_rows is what samples.jsonl shows
+             trainer (ppo_core.run.rollout_worker); ppo_core.run.tracking.sample_rows is what
+             samples.jsonl shows
 The file reads in that order: the entry points first, then what they call, in the order it runs.
 B sequences, prompts left-padded to P, responses right-padded to R; `response_mask` [B, R] is 1 on
 the tokens the policy produced. The reasons behind the sampling noise, decoding's precision and
@@ -676,7 +677,8 @@ def sampled_state(sampled: Sampled, group, stats, lists=True) -> dict:
     """A sampled rollout not yet trained on (cfg.max_staleness) as plain JSON for the checkpoint:
     tensors as nested lists with their dtype (float32 values round-trip exactly through Python
     floats), texts and rows as they are. lists=False: the tensors' values stay CPU tensors (the
-    messages of ppo_core.run.rollout_worker; state_lists turns such a state into the JSON one)."""
+    messages of ppo_core.run.rollout_worker; ppo_core.run.checkpoint.state_lists turns it into
+    the JSON one)."""
     def tensor(t):
         return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."),
                                        "values": t.tolist() if lists else t.detach().cpu()}
@@ -685,18 +687,6 @@ def sampled_state(sampled: Sampled, group, stats, lists=True) -> dict:
             "reward_metrics": {k: tensor(v) for k, v in sampled.reward_metrics.items()},
             "reward_texts": sampled.reward_texts, "generate_s": sampled.generate_s,
             "group": tensor(group), "stats": stats}
-
-
-def state_lists(obj):
-    """A state holding tensors (sampled_state with lists=False, in dicts and lists) as plain JSON:
-    each tensor a list."""
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if isinstance(obj, dict):
-        return {k: state_lists(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [state_lists(v) for v in obj]
-    return obj
 
 
 def sampled_from_state(state: dict, device):
@@ -712,26 +702,6 @@ def sampled_from_state(state: dict, device):
                       reward_metrics={k: tensor(v) for k, v in state["reward_metrics"].items()},
                       reward_texts=state["reward_texts"], generate_s=state["generate_s"], **tensors)
     return sampled, tensor(state["group"]).cpu(), state["stats"]
-
-
-def sample_rows(sampled: Sampled, tokenizer) -> list:
-    """What samples.jsonl and the trackers' table show of each row: prompt (the raw text the
-    reward saw), response, reward (the score), each reward component, the row's extra columns,
-    then policy_prompt (the prompt as the policy saw it: chat-rendered, special tokens written
-    out) and stop ("eos": the response ended at a stop token of the checkpoint's; "length": it ran
-    into max_new_tokens)."""
-    components = {k: v.tolist() for k, v in sampled.reward_metrics.items()}
-    components.update(sampled.reward_texts)
-    scores, ended = sampled.scores.tolist(), sampled.ended.tolist()
-    policy_prompts = [tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
-                      for ids, mask in zip(sampled.prompt_ids.cpu(),
-                                           sampled.prompt_mask.cpu().bool())]
-    return [{"prompt": text, "response": response, "reward": scores[i],
-             **{k: v[i] for k, v in components.items()},
-             **{k: v for k, v in row.items() if k not in ("prompt", "messages")},
-             "policy_prompt": policy_prompts[i], "stop": "eos" if ended[i] else "length"}
-            for i, (row, text, response) in enumerate(zip(sampled.rows, sampled.prompts,
-                                                          sampled.responses))]
 
 
 # ---------------------------------------------------------------------------- for tests

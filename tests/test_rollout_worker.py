@@ -4,7 +4,8 @@ import json
 
 import torch
 
-from ppo_core.rollout import Sampled, sampled_from_state, sampled_state, state_lists
+from ppo_core.rollout import Sampled, sampled_from_state, sampled_state
+from ppo_core.run.checkpoint import state_lists
 from ppo_core.run.rollout_worker import (pack_message, trainer_shares, unpack_message, updated_names, weight_buckets,
                                      wire_dtypes)
 

@@ -456,7 +456,7 @@ def resume_checkpoint(run_path):
 
 # The form of trainer_state.json's own keys, those save_checkpoint writes: a key -> a type (int means int, not bool),
 # a tuple of types, a nested schema (dict) or [type] for a list of them; a key ending in '?' may be absent (older
-# versions lack it). The caller's `state` keys are the caller's to check (check_state; ppo_core.train.TRAINER_STATE).
+# versions lack it). The caller's `state` keys are the caller's to check (check_state; ppo_core.run.checkpoints.TRAINER_STATE).
 NUMBER = (int, float)
 STATE_SCHEMA = {
     "step": int, "manifest?": str,
@@ -620,3 +620,15 @@ def check_rng_tensors(tensors: dict, generators: dict, file):
         if value.dtype != torch.uint8 or value.dim() != 1:
             raise CheckpointError(f"{file}: {key} is {value.dtype} of shape {tuple(value.shape)}, an RNG state is "
                                   f"a 1-D uint8 tensor")
+
+
+def state_lists(obj):
+    """A state holding tensors (sampled_state with lists=False, in dicts and lists) as plain JSON:
+    each tensor a list."""
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: state_lists(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [state_lists(v) for v in obj]
+    return obj

@@ -259,7 +259,7 @@ def disk_full(error) -> bool:
 
 
 def disk_full_line(error, run_path) -> str:
-    """The one line of a run stopped by a full disk (exit status 4, ppo_core.train.EXIT_DISK_FULL): which file, what
+    """The one line of a run stopped by a full disk (exit status 4, ppo_core.run.checkpoints.EXIT_DISK_FULL): which file, what
     is kept, and how to continue once there is space. A failed save left nothing half-written (RunDir.save_checkpoint);
     metrics.jsonl keeps its whole lines (a torn last one is dropped on resume)."""
     global _open_run_dir

@@ -222,6 +222,36 @@ class Tracker:
         return False
 
 
+def sample_rows(sampled, tokenizer) -> list:
+    """What samples.jsonl and the trackers' table show of each row of `sampled` (a
+    ppo_core.rollout.Sampled): prompt (the raw text the
+    reward saw), response, reward (the score), each reward component, the row's extra columns,
+    then policy_prompt (the prompt as the policy saw it: chat-rendered, special tokens written
+    out) and stop ("eos": the response ended at a stop token of the checkpoint's; "length": it ran
+    into max_new_tokens)."""
+    components = {k: v.tolist() for k, v in sampled.reward_metrics.items()}
+    components.update(sampled.reward_texts)
+    scores, ended = sampled.scores.tolist(), sampled.ended.tolist()
+    policy_prompts = [tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
+                      for ids, mask in zip(sampled.prompt_ids.cpu(),
+                                           sampled.prompt_mask.cpu().bool())]
+    return [{"prompt": text, "response": response, "reward": scores[i],
+             **{k: v[i] for k, v in components.items()},
+             **{k: v for k, v in row.items() if k not in ("prompt", "messages")},
+             "policy_prompt": policy_prompts[i], "stop": "eos" if ended[i] else "length"}
+            for i, (row, text, response) in enumerate(zip(sampled.rows, sampled.prompts,
+                                                          sampled.responses))]
+
+
+def write_iteration_samples(cfg, run_dir, tracker, tokenizer, it, sampled):
+    """Every cfg.log_samples_every iterations: iteration `it`'s samples to samples.jsonl and the
+    trackers."""
+    if cfg.log_samples_every and (it + 1) % cfg.log_samples_every == 0:
+        samples = sample_rows(sampled, tokenizer)
+        write_samples(run_dir.path, samples, it + 1)
+        tracker.log_samples(samples, it + 1)
+
+
 def write_samples(run_dir: str, rows: list[dict], step: int):
     """Append one JSON line per sample to RUN_DIR/samples.jsonl: {"step": step, **row} (rank 0 only).
     Rows hold "prompt", "response", "reward", the reward components and the prompt row's extra columns;
