@@ -499,6 +499,12 @@ ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_p
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
+def records_decode_logprobs(cfg) -> bool:
+    """Whether sampling keeps its own log-probs: the old log-probs taken from decoding, or the
+    behaviour policy of an off-policy correction."""
+    return cfg.old_logprobs_from_rollout or cfg.off_policy_correction != "none"
+
+
 def uses_critic(cfg) -> bool:
     """Whether the run has a critic: only GAE reads a value function, and distillation alone
     reads none."""

@@ -46,7 +46,7 @@ import torch
 from . import algo
 from .models import lora
 from .models import distributed as dist
-from .config import rollout_rows
+from .config import records_decode_logprobs, rollout_rows
 from .engine import RolloutEngine
 from .agents.environments import make_environment, render, reset_messages, run_episodes
 from .engine.generate import generate
@@ -425,12 +425,6 @@ class Sampled:
     # [B, R] bool: the response's real tokens, the policy's and observations' (multi-turn
     # episodes, where response_mask is 0 on observations); None: response_mask's tokens
     attended: torch.Tensor | None = None
-
-
-def records_decode_logprobs(cfg) -> bool:
-    """Whether sampling keeps its own log-probs: the old log-probs taken from decoding, or the
-    behaviour policy of an off-policy correction."""
-    return cfg.old_logprobs_from_rollout or cfg.off_policy_correction != "none"
 
 
 @dataclass

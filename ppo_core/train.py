@@ -65,7 +65,7 @@ from .run import recording, rollout_worker, runlog, tracking
 from .rewards.redact import forget_secrets, redact, remember_secrets
 from .run.rollout_worker import RolloutClient
 from .config import (ConfigError, PPOConfig, build_config, fit_batch_sizes, help_text, load_toml,
-                     parse_cli, rollout_rows)
+                     parse_cli, records_decode_logprobs, rollout_rows)
 from .models.model import CheckpointError, load_model
 from .models.precision import resolve_precision
 from .data.prompts import PromptsError, columns_of, where_is
@@ -73,7 +73,7 @@ from .rewards.remote import API_KEY_ENV, PROXY_AUTH_ENV
 from .rewards.source import make_reward_source
 from .rewards.interface import RewardError
 from .rollout import (EVAL_SEED_OFFSET, evaluate, iteration_rollout, needs_reference_responses,
-                      prompt_token_ids, records_decode_logprobs, rollout_forward,
+                      prompt_token_ids, rollout_forward,
                       sampled_from_state, sampled_state, with_reference_responses)
 from .models.tokenizer import UnknownTextError, load_tokenizer, native_stderr_held
 from .update import (NonFiniteUpdates, Optimizers, compute_advantages, fresh_first_minibatch,
@@ -84,8 +84,9 @@ from .run.tracking import write_iteration_samples
 from .run.metrics import iteration_metrics, run_summary
 from .run.start import (build_models, build_teacher, check_batch, check_chat_template, check_paths,
                         check_process_count, check_roles, check_teacher, checkpoint_of,
-                        fit_context, kl_controller, log_first_lines, make_reward_sources,
-                        open_run_dir, prompt_rows, spread_over_processes, torch_threads)
+                        fit_context, kl_controller, log_first_lines, log_rollout_lines,
+                        make_reward_sources, open_run_dir, prompt_rows, spread_over_processes,
+                        torch_threads, Models, Setup, Step)
 
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "reverse-demo")
 DEMO_CHECKPOINTS = {"reverse": DEMO_CHECKPOINT,
@@ -104,16 +105,102 @@ def run(cfg: PPOConfig, resume_from=None):
     check_paths(cfg)  # every path the config names, before anything is read
     policy_path = cfg.policy or DEMO_CHECKPOINTS[cfg.task]  # the task's shipped SFT checkpoint
     precision = resolve_precision(cfg)
-    autocast = precision.autocast
     rank, world, device = dist.init(precision.device, roles=bool(cfg.rollout_ranks))
     check_roles(cfg)
-    # a rollout worker: it samples, the others train
-    if dist.split_roles(cfg.rollout_ranks) == "rollout":
+    if dist.split_roles(cfg.rollout_ranks) == "rollout":  # a rollout worker: it samples
         return serve_rollouts(cfg, policy_path, device, precision)
-    world = dist.world_size()  # the trainers
+    s = set_up(cfg, policy_path, precision, device, resume_from)
+    m, log, run_dir, tracker = s.models, s.log, s.run_dir, s.tracker
 
-    # Set up. Everything that can be wrong with the input is checked before the run directory is
-    # touched.
+    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    # the rollouts' sampling noise, the device, the autocast region
+    step = Step(cfg, torch.Generator(device=device).manual_seed(cfg.seed), device,
+                precision.autocast)
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
+    opts = Optimizers(m.policy, m.critic, cfg,
+                      cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
+    kl_ctl = kl_controller(cfg)
+    evaluate_policy = held_out_evaluation(s, step)
+    ckpts = Checkpoints(cfg, run_dir, log, tracker, m.policy, m.critic, m.tokenizer, opts,
+                        {"sample": step.generator, "shuffle": shuffle_gen}, kl_ctl, s.stream)
+    workers = (RolloutClient(cfg, m.policy, s.stream, m.tokenizer.pad_token_id,
+                             wire_autocast(precision)) if cfg.rollout_ranks else None)
+    state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, ...
+    start_iter = first_iteration(s, ckpts, evaluate_policy, precision, step)
+    if workers is not None:
+        workers.start(start_iter, state)
+
+    # what a process ended by StopSignals' watchdog says: main()'s line
+    def last_words(why, iteration):
+        return f"ppo-train: {ckpts.abandoned_line(why, iteration)}"
+    with runlog.StopSignals(cfg.stop_grace_s, last_words) as stop, ckpts.stopped_if_abandoned(stop):
+        for it in log.iterations(cfg.iterations, start_iter):
+            # from here to work_ends a second signal abandons the iteration (runlog.StopSignals)
+            stop.work_starts(it + 1)
+            # a reward server down: saved as of this iteration's start
+            with ckpts.redone_if_server_down(it):
+                opts.start_iteration(it)
+                t_roll = time.perf_counter()
+                # the update's first minibatch, whose old log-probs its own forward gives
+                fresh = fresh_first_minibatch(cfg, rollout_rows(cfg), shuffle_gen,
+                                              it >= cfg.critic_warmup)
+                # 1-3: sample, score, forward
+                rollout, ended, filter_stats = next_rollout(it, s, step, state, workers, fresh)
+            # what 1-2 produced, for a later --replay_rollouts (ppo_core.run.recording)
+            if cfg.save_rollouts:
+                record_rollout(log, run_dir, it, rollout, filter_stats, first=it == start_iter)
+            kl_coef = kl_ctl.value
+            compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
+            t_train = time.perf_counter()
+            train_stats = ppo_update(m.policy_train, m.critic_train, rollout, cfg, kl_coef,
+                                     shuffle_gen, step.autocast, opts.step,
+                                     train_policy=it >= cfg.critic_warmup)  # 6
+            # the new weights to the worker (and, one update stale, its next rollout)
+            if workers is not None:
+                train_stats.update(workers.after_update(it, state))
+            metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats,
+                                        opts, m.critic, cfg,
+                                        seconds=(t_roll, t_train, time.perf_counter()))
+            if cfg.drop_overlong_prompts:
+                metrics["prompts/dropped_overlong"] = s.overlong
+            # k1: what the adaptive controller reads (Ziegler et al. 2019)
+            state["last_kl"] = metrics["kl/mean"]
+            state["last_kl_k3"] = metrics["kl/k3_mean"]  # k3 >= 0: what the summary reports
+            kl_ctl.update(state["last_kl"], rollout_rows(cfg))
+            if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
+                # a reward server down keeps the update (saved), its samples and the metrics a
+                # resume completes
+                with ckpts.saved_if_server_down(it + 1, f" in the evaluation of iteration {it + 1}",
+                                                pending=metrics, samples=(it, rollout.sampled)):
+                    metrics["eval/reward"] = evaluate_policy()
+            stop.work_ends()  # what follows is written whole, even under a second signal
+            with stop.writing:  # a process ended by StopSignals' watchdog waits for these lines
+                log.metrics(metrics)
+                tracker.log(metrics, it + 1)
+                write_iteration_samples(cfg, run_dir, tracker, m.tokenizer, it, rollout.sampled)
+            if (it + 1 == cfg.iterations or stop.requested
+                    or (cfg.save_every and (it + 1) % cfg.save_every == 0)):
+                ckpts.save(it + 1)
+            ckpts.stop_if_requested(stop, it + 1)
+
+    with ckpts.stopped_if_server_down(
+            f"during the final evaluation; the final checkpoint (iteration {cfg.iterations}) "
+            f"is in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}"):
+        after, after_greedy = evaluate_policy(), evaluate_policy(greedy=True)
+    summary = run_summary(ckpts, after, after_greedy, len(s.held_out))
+    run_dir.write_summary(summary)
+    log.close(), tracker.close()
+    log.table(summary, cfg)
+    if cfg.rollout_ranks:
+        dist.job_barrier()  # the workers wait here for the trainers (serve_rollouts)
+    return summary
+
+
+def set_up(cfg: PPOConfig, policy_path, precision, device, resume_from) -> Setup:
+    """Everything before the first iteration that can be wrong with the input, checked before the
+    run directory is touched; then the models built and spread over the trainer processes, the
+    prompts fitted to the context, the run directory opened. -> Setup."""
+    world = dist.world_size()  # the trainers
     check_process_count(cfg, world)
     # without --out: runs/<policy>-<task>-<time> (RunDir.open)
     runlog.check_out_dir(resume_from or cfg.out or "runs")
@@ -147,43 +234,47 @@ def run(cfg: PPOConfig, resume_from=None):
     run_dir, ckpt, log, tracker = open_run_dir(cfg, policy_path, resume_from, precision)
     if cfg.save_rollouts:
         recording.start_recording(run_dir.path, cfg, policy_path)
+    models = Models(policy, reference, critic, teacher, tokenizer, reward_source, eval_source,
+                    policy_train, critic_train)
+    return Setup(models, policy_path, train_rows, held_out, stream, overlong, longest, replay,
+                 run_dir, ckpt, log, tracker)
 
-    random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    # the rollouts' sampling noise
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
-    opts = Optimizers(policy, critic, cfg,
-                      cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
-    kl_ctl = kl_controller(cfg)
+
+def held_out_evaluation(s: Setup, step: Step):
+    """-> evaluate(greedy=False): the mean reward over the held-out rows, each evaluation with the
+    same noise; a pairwise judge's reference responses for them sampled once, here."""
+    cfg, m = step.cfg, s.models
     eval_seed = cfg.seed + EVAL_SEED_OFFSET  # every evaluation samples with the same noise
-    # the held-out rows' references, sampled once
-    if needs_reference_responses(cfg) and eval_source is reward_source:
-        held_out = with_reference_responses(held_out, policy, reference, tokenizer, cfg,
-                                            eval_seed + 1, autocast)
-    def evaluate_policy(greedy=False):  # the mean reward over the held-out rows
-        return evaluate(policy, tokenizer, held_out, eval_source, cfg, eval_seed, greedy=greedy,
-                        autocast=autocast)
-    ckpts = Checkpoints(cfg, run_dir, log, tracker, policy, critic, tokenizer, opts,
-                        {"sample": sample_gen, "shuffle": shuffle_gen}, kl_ctl, stream)
-    workers = (RolloutClient(cfg, policy, stream, tokenizer.pad_token_id, wire_autocast(precision))
-               if cfg.rollout_ranks else None)
-    # what the checkpoints hold beside models, optimizers, generators, KL controller and stream
-    state = ckpts.state
+    if needs_reference_responses(cfg) and m.eval_source is m.reward_source:
+        s.held_out = with_reference_responses(s.held_out, m.policy, m.reference, m.tokenizer, cfg,
+                                              eval_seed + 1, step.autocast)
 
-    if ckpt is not None:
-        start_iter = ckpts.resume(ckpt)
+    def evaluate_policy(greedy=False):
+        return evaluate(m.policy, m.tokenizer, s.held_out, m.eval_source, cfg, eval_seed,
+                        greedy=greedy, autocast=step.autocast)
+    return evaluate_policy
+
+
+def first_iteration(s: Setup, ckpts, evaluate_policy, precision, step: Step) -> int:
+    """Where the loop starts: a resumed run's checkpoint put back (and an iteration a reward server
+    stopped in its evaluation finished), or a new run's first lines and its evaluation before
+    training, into ckpts.state. -> the first iteration to run."""
+    cfg, log, state = step.cfg, s.log, ckpts.state
+    if s.ckpt is not None:
+        start_iter = ckpts.resume(s.ckpt)
     else:
         start_iter = 0
-        log_first_lines(log, cfg, policy_path, policy, teacher, world, device, run_dir, precision,
-                        train_rows, held_out)
-        if overlong:
+        log_first_lines(log, cfg, s.policy_path, s.models.policy, s.models.teacher,
+                        dist.world_size(), step.device, s.run_dir, precision, s.train_rows,
+                        s.held_out)
+        if s.overlong:
             log.info(
-                f"prompts: {overlong} rows dropped (drop_overlong_prompts): longer than the "
+                f"prompts: {s.overlong} rows dropped (drop_overlong_prompts): longer than the "
                 f"model's context leaves for max_new_tokens={cfg.max_new_tokens}")
-        log_rollout_lines(log, cfg, run_dir, replay, longest)
+        log_rollout_lines(log, cfg, s.run_dir, s.replay, s.longest)
         with ckpts.stopped_if_server_down(
                 "during the evaluation before training; nothing saved yet; start again "
-                f"with: ppo-train --resume {run_dir.path}"):
+                f"with: ppo-train --resume {s.run_dir.path}"):
             state["eval_before"], state["eval_before_greedy"] = (evaluate_policy(),
                                                                  evaluate_policy(greedy=True))
         log.info(
@@ -192,91 +283,32 @@ def run(cfg: PPOConfig, resume_from=None):
     # the run stopped in iteration start_iter's evaluation (server down): finish it
     if "pending_metrics" in state:
         ckpts.finish_pending_iteration(start_iter, evaluate_policy)
-    if workers is not None:
-        workers.start(start_iter, state)
+    return start_iter
 
-    # what a process ended by StopSignals' watchdog says: main()'s line
-    def last_words(why, iteration):
-        return f"ppo-train: {ckpts.abandoned_line(why, iteration)}"
-    with runlog.StopSignals(cfg.stop_grace_s, last_words) as stop, ckpts.stopped_if_abandoned(stop):
-        for it in log.iterations(cfg.iterations, start_iter):
-            # from here to work_ends a second signal abandons the iteration (runlog.StopSignals)
-            stop.work_starts(it + 1)
-            # a reward server down: saved as of this iteration's start
-            with ckpts.redone_if_server_down(it):
-                opts.start_iteration(it)
-                t_roll = time.perf_counter()
-                # the update's first minibatch, whose old log-probs its own forward gives (None:
-                # scored here)
-                fresh = fresh_first_minibatch(cfg, rollout_rows(cfg), shuffle_gen,
-                                              it >= cfg.critic_warmup)
-                if replay is not None:
-                    # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
-                    rollout, ended, filter_stats = replayed_rollout(it, replay, policy, reference,
-                                                                    critic, cfg, autocast, teacher,
-                                                                    device)
-                elif workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
-                    share, worker_stats = workers.rollout(it, state)
-                    sampled, group, filter_stats = sampled_from_state(share, device)
-                    filter_stats.update(worker_stats)
-                    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg,
-                                              autocast, teacher, fresh)
-                    ended = sampled.ended
-                elif cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
-                    rollout, ended, filter_stats = stale_rollout(
-                        it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg,
-                        sample_gen, autocast, teacher)
-                else:  # 1-3
-                    rollout, ended, filter_stats = iteration_rollout(
-                        it, stream, policy, reference, critic, tokenizer, reward_source, cfg,
-                        sample_gen, autocast, teacher=teacher, fresh_rows=fresh)
-            # what 1-2 produced, for a later --replay_rollouts (ppo_core.run.recording)
-            if cfg.save_rollouts:
-                record_rollout(log, run_dir, it, rollout, filter_stats, first=it == start_iter)
-            kl_coef = kl_ctl.value
-            compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
-            t_train = time.perf_counter()
-            train_stats = ppo_update(policy_train, critic_train, rollout, cfg, kl_coef, shuffle_gen,
-                                     autocast, opts.step, train_policy=it >= cfg.critic_warmup)  # 6
-            # the new weights to the worker (and, one update stale, its next rollout)
-            if workers is not None:
-                train_stats.update(workers.after_update(it, state))
-            metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats,
-                                        opts, critic, cfg,
-                                        seconds=(t_roll, t_train, time.perf_counter()))
-            if cfg.drop_overlong_prompts:
-                metrics["prompts/dropped_overlong"] = overlong
-            # k1: what the adaptive controller reads (Ziegler et al. 2019)
-            state["last_kl"] = metrics["kl/mean"]
-            state["last_kl_k3"] = metrics["kl/k3_mean"]  # k3 >= 0: what the summary reports
-            kl_ctl.update(state["last_kl"], rollout_rows(cfg))
-            if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.iterations:
-                # a reward server down keeps the update (saved), its samples and the metrics a
-                # resume completes
-                with ckpts.saved_if_server_down(it + 1, f" in the evaluation of iteration {it + 1}",
-                                                pending=metrics, samples=(it, rollout.sampled)):
-                    metrics["eval/reward"] = evaluate_policy()
-            stop.work_ends()  # what follows is written whole, even under a second signal
-            with stop.writing:  # a process ended by StopSignals' watchdog waits for these lines
-                log.metrics(metrics)
-                tracker.log(metrics, it + 1)
-                write_iteration_samples(cfg, run_dir, tracker, tokenizer, it, rollout.sampled)
-            if (it + 1 == cfg.iterations or stop.requested
-                    or (cfg.save_every and (it + 1) % cfg.save_every == 0)):
-                ckpts.save(it + 1)
-            ckpts.stop_if_requested(stop, it + 1)
 
-    with ckpts.stopped_if_server_down(
-            f"during the final evaluation; the final checkpoint (iteration {cfg.iterations}) "
-            f"is in {run_dir.path}; finish with: ppo-train --resume {run_dir.path}"):
-        after, after_greedy = evaluate_policy(), evaluate_policy(greedy=True)
-    summary = run_summary(ckpts, after, after_greedy, len(held_out))
-    run_dir.write_summary(summary)
-    log.close(), tracker.close()
-    log.table(summary, cfg)
-    if cfg.rollout_ranks:
-        dist.job_barrier()  # the workers wait here for the trainers (serve_rollouts)
-    return summary
+def next_rollout(it, s: Setup, step: Step, state, workers, fresh):
+    """Steps 1-3 of iteration it from the run's rollout source: a recorded run's (replay_rollouts),
+    the rollout workers' (rollout_ranks), one sampled an update earlier (max_staleness=1), or
+    sampled now (iteration_rollout). fresh: the update's first minibatch's rows, not scored here.
+    -> (Rollout, ended [b], stats)."""
+    cfg, m = step.cfg, s.models
+    if s.replay is not None:
+        # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
+        return replayed_rollout(it, s.replay, m.policy, m.reference, m.critic, cfg, step.autocast,
+                                m.teacher, step.device)
+    if workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
+        share, worker_stats = workers.rollout(it, state)
+        sampled, group, filter_stats = sampled_from_state(share, step.device)
+        filter_stats.update(worker_stats)
+        rollout = rollout_forward(m.policy, m.reference, m.critic, sampled, group, cfg,
+                                  step.autocast, m.teacher, fresh)
+        return rollout, sampled.ended, filter_stats
+    if cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
+        return stale_rollout(it, state, s.stream, m.policy, m.reference, m.critic, m.tokenizer,
+                             m.reward_source, cfg, step.generator, step.autocast, m.teacher)
+    return iteration_rollout(it, s.stream, m.policy, m.reference, m.critic, m.tokenizer,
+                             m.reward_source, cfg, step.generator, step.autocast,
+                             teacher=m.teacher, fresh_rows=fresh)  # 1-3
 
 
 def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
@@ -387,36 +419,6 @@ def record_rollout(log, run_dir, it, rollout, stats, first=False):
             f"rollouts: iteration {it + 1} recorded in {recording.size_text(file_bytes)} "
             f"(measured: tensors {recording.size_text(tensor_bytes)}, the rest prompt rows, texts "
             "and JSON)")
-
-
-def log_rollout_lines(log, cfg: PPOConfig, run_dir, replay, longest_prompt):
-    """A new run's line on recorded rollouts: where they go and their size per iteration, computed
-    from the shapes (save_rollouts); or what is replayed and whether it is off-policy for this run
-    (replay_rollouts)."""
-    if cfg.save_rollouts:
-        rows = rollout_rows(cfg)
-        per_iteration = recording.tensor_bytes_bound(rows, longest_prompt, cfg.max_new_tokens,
-                                                     records_decode_logprobs(cfg),
-                                                     bool(cfg.environment))
-        size = recording.size_text
-        log.info(
-            f"rollouts: recording each iteration's to {recording.folder(run_dir.path)}: about "
-            f"{size(per_iteration)} an iteration, {size(per_iteration * cfg.iterations)} for "
-            f"{cfg.iterations} (tensors, computed from the shapes: {rows} rows x {longest_prompt} "
-            f"prompt tokens (the longest held-out or training prompt) + {cfg.max_new_tokens} "
-            "response tokens), + the prompt rows and texts as JSON")
-    if replay is not None:
-        differ = recording.config_differences(replay, cfg)
-        what = (
-            "the config is the recording's: its weights are reproduced bit for bit (same machine "
-            "and precision)"
-            if not differ else
-            f"the config differs from the recording's in {', '.join(differ[:8])}: from iteration 2 "
-            "on the recorded rollouts are off-policy for this run (off_policy/behav_gap_mean, "
-            "_max: its log-probs against the recorded sampler's)")
-        log.info(
-            f"rollouts: replaying the {replay.steps} iterations recorded in {replay.path} (nothing "
-            f"is sampled); {what}")
 
 
 # ---------------------------------------------------------------------------- set-up

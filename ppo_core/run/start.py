@@ -11,7 +11,8 @@ import os
 import torch
 
 from .. import algo
-from ..config import ConfigError, PPOConfig, rollout_rows, to_dict, uses_critic
+from ..config import (ConfigError, PPOConfig, records_decode_logprobs, rollout_rows, to_dict,
+                      uses_critic)
 from ..data.prompts import PromptsError, RowStream, load_rows, split_held_out, where_is
 from ..data.tasks import PromptStream, ToolmulStream, eval_prompts, toolmul_rows
 from ..models import distributed as dist
@@ -21,6 +22,50 @@ from ..models.precision import loss_paths, precision_line
 from ..models.tokenizer import load_tokenizer
 from ..rewards.source import make_reward_source
 from . import checkpoint, plan, recording, runlog, tracking
+
+
+@dataclasses.dataclass
+class Models:
+    """The models of a run and what scores their samples, built once (ppo_core.train.set_up) and
+    passed together."""
+
+    policy: object  # CausalLM
+    reference: object  # frozen; the policy itself where its LoRA adapters off give the base weights
+    critic: object  # ScoreModel; None for the critic-free estimators
+    teacher: object  # CausalLM; None without cfg.teacher (on-policy distillation)
+    tokenizer: object
+    reward_source: object  # scores the rollouts (ppo_core.rewards.source)
+    eval_source: object  # scores the held-out evaluations: reward_source, or eval_reward_fn's
+    policy_train: object  # what the update steps: the policy, or its DDP/FSDP wrapper
+    critic_train: object
+
+
+@dataclasses.dataclass
+class Setup:
+    """What ppo_core.train.set_up hands the loop: the models, the prompts, where the run writes."""
+
+    models: Models
+    policy_path: str
+    train_rows: list
+    held_out: list  # the held-out rows (a pairwise judge's reference responses added once)
+    stream: object  # the training prompts' seeded stream; its position is checkpointed
+    overlong: int  # rows dropped as longer than the context leaves (drop_overlong_prompts)
+    longest: int  # the kept rows' longest prompt, in tokens
+    replay: object  # the recording replayed (replay_rollouts), else None
+    run_dir: object  # ppo_core.run.runlog.RunDir
+    ckpt: object  # the checkpoint a resume starts from, else None
+    log: object  # ppo_core.run.runlog.Logger
+    tracker: object  # ppo_core.run.tracking.Tracker
+
+
+@dataclasses.dataclass
+class Step:
+    """A step's settings, what the passes read beside the models."""
+
+    cfg: PPOConfig
+    generator: torch.Generator  # the rollouts' sampling noise, reseeded each iteration
+    device: torch.device
+    autocast: object  # -> a context manager: bf16 autocast, or nothing (ppo_core.models.precision)
 
 
 def torch_threads(cfg: PPOConfig) -> int:
@@ -366,3 +411,33 @@ def log_first_lines(log, cfg: PPOConfig, policy_path, policy, teacher, world, de
         log.info(
             f"prompts: {len(train_rows)} training rows from {cfg.prompts_file}, {len(held_out)} "
             f"held out {where}")
+
+
+def log_rollout_lines(log, cfg: PPOConfig, run_dir, replay, longest_prompt):
+    """A new run's line on recorded rollouts: where they go and their size per iteration, computed
+    from the shapes (save_rollouts); or what is replayed and whether it is off-policy for this run
+    (replay_rollouts)."""
+    if cfg.save_rollouts:
+        rows = rollout_rows(cfg)
+        per_iteration = recording.tensor_bytes_bound(rows, longest_prompt, cfg.max_new_tokens,
+                                                     records_decode_logprobs(cfg),
+                                                     bool(cfg.environment))
+        size = recording.size_text
+        log.info(
+            f"rollouts: recording each iteration's to {recording.folder(run_dir.path)}: about "
+            f"{size(per_iteration)} an iteration, {size(per_iteration * cfg.iterations)} for "
+            f"{cfg.iterations} (tensors, computed from the shapes: {rows} rows x {longest_prompt} "
+            f"prompt tokens (the longest held-out or training prompt) + {cfg.max_new_tokens} "
+            "response tokens), + the prompt rows and texts as JSON")
+    if replay is not None:
+        differ = recording.config_differences(replay, cfg)
+        what = (
+            "the config is the recording's: its weights are reproduced bit for bit (same machine "
+            "and precision)"
+            if not differ else
+            f"the config differs from the recording's in {', '.join(differ[:8])}: from iteration 2 "
+            "on the recorded rollouts are off-policy for this run (off_policy/behav_gap_mean, "
+            "_max: its log-probs against the recorded sampler's)")
+        log.info(
+            f"rollouts: replaying the {replay.steps} iterations recorded in {replay.path} (nothing "
+            f"is sampled); {what}")
