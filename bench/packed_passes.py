@@ -45,6 +45,7 @@ from ppo_core.config import build_config  # noqa: E402
 from ppo_core.models.model import CausalLM, ModelArgs, ScoreModel, attention, packed_attention, read_config  # noqa: E402
 from ppo_core.rollout import Sampled, rollout_forward  # noqa: E402
 from ppo_core.update import Optimizers, compute_advantages, ppo_update  # noqa: E402
+from ppo_core.run.start import Models, Step  # noqa: E402
 
 CONFIG = os.path.join(HERE, "..", "configs", "models", "SmolLM2-135M")
 B, PROMPT = 64, 32
@@ -125,7 +126,7 @@ def one_run(name, mode, threads, micro_batch, quick):
     rollout_module.reference_logprobs = timed(plain["reference_logprobs"], "ref logp")
     rollout_module.response_values = timed(plain["response_values"], "values")
     try:
-        rollout = rollout_forward(policy, reference, critic, batch, torch.arange(n), cfg, contextlib.nullcontext)
+        rollout = rollout_forward(Models(policy, reference, critic), batch, torch.arange(n), Step(cfg))
     finally:
         for k, fn in plain.items():
             setattr(rollout_module, k, fn)

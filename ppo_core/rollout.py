@@ -2,8 +2,8 @@
 path's forward over them (old, reference and teacher log-probs, entropy, values). The loop
 (ppo_core.train) takes one Rollout an iteration.
 
-    rollout, ended, stats = iteration_rollout(it, stream, policy, reference, critic, tokenizer,
-                                              reward_source, cfg, generator, autocast)
+    models = Models(policy, reference, critic, tokenizer=tokenizer, reward_source=reward_source)
+    rollout, ended, stats = iteration_rollout(it, stream, models, Step(cfg, generator, autocast))
     rollout.old_logprobs, rollout.ref_logprobs  # [B, R] float32, 0 after each response
     rollout.old_values                          # [B, R] float32, 0 after each response
     rollout.teacher_logprobs                    # [B, R] with cfg.teacher, else None
@@ -53,11 +53,11 @@ from .engine.generate import generate
 from .heads import micro_batches, reference_logprobs, response_logprobs, response_values
 from .data.packing import pack_rows, token_budget_micro_batches
 from .data.prompts import columns_of, prompt_text
+from .run.start import Models, Step
 
 # ---------------------------------------------------------------------------- the entry points
 
-def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_source, cfg,
-                      generator, autocast, sample_only=False, teacher=None, fresh_rows=None):
+def iteration_rollout(it, stream, models: Models, step: Step, sample_only=False, fresh_rows=None):
     """Iteration `it`'s experience: rollout_batch_size prompts, each sampled n_samples_per_prompt
     times (a group of consecutive rows), scored; this process's rows of the global batch. With
     cfg.filter_groups, groups whose scores are all equal are replaced by groups of further prompt
@@ -67,6 +67,7 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     sample_only (cfg.max_staleness, rollout workers): the rollout sampled and scored, not
     forwarded -> (Sampled, group [b], stats), which rollout_forward takes later (ppo_core.train).
     fresh_rows: see rollout_forward. The seeds: docs/rollout.md#the-sampling-noise."""
+    cfg, generator, tokenizer = step.cfg, step.generator, models.tokenizer
     rank, world, n = dist.rank(), dist.world_size(), cfg.n_samples_per_prompt
     rows_total = rollout_rows(cfg)
     b = rows_total // world
@@ -82,16 +83,15 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
         # one reference response per prompt, shared by its n rows
         if needs_reference_responses(cfg):
             prompt_batch = with_reference_responses(
-                prompt_batch, policy, reference, tokenizer, cfg,
-                cfg.seed * 1_000_003 + it + batch * 1_000_000_007 + 1, autocast)
+                prompt_batch, models.policy, models.reference, tokenizer, cfg,
+                cfg.seed * 1_000_003 + it + batch * 1_000_000_007 + 1, step.autocast)
         # [rows_total] a prompt's n rows in a row
         global_prompts = [row for row in prompt_batch for _ in range(n)]
         prompts = global_prompts[local]
         encoded = [prompt_token_ids(tokenizer, p, cfg) for p in prompts]  # rendered once
         # the same prompt width on every process
         pad_to = dist.all_reduce_max_int(max(len(e) for e in encoded))
-        sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator,
-                                   autocast, pad_to, (rank * b, rows_total), encoded)
+        sampled = sample_and_score(models, step, prompts, pad_to, (rank * b, rows_total), encoded)
         generate_s += sampled.generate_s
         if not cfg.filter_groups:
             # [b] the prompt's index in the global batch
@@ -99,9 +99,7 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
             stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
             if sample_only:
                 return sampled, group, stats
-            rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast,
-                                      teacher, fresh_rows)
-            return rollout, sampled.ended, stats
+            return rollout_forward(models, sampled, group, step, fresh_rows), sampled.ended, stats
         everything = gather_sampled(sampled, global_prompts, tokenizer, cfg)
         varied = algo.varied_groups(everything.scores,
                                     torch.arange(rows_total, device=everything.scores.device) // n)
@@ -122,13 +120,11 @@ def iteration_rollout(it, stream, policy, reference, critic, tokenizer, reward_s
     stats.update(reward_means(sampled.reward_metrics), **{"time/generate_s": generate_s})
     if sample_only:
         return sampled, group, stats
-    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher,
-                            fresh_rows),
-            sampled.ended, stats)
+    return rollout_forward(models, sampled, group, step, fresh_rows), sampled.ended, stats
 
 
 @torch.no_grad()
-def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, autocast, teacher=None,
+def rollout_forward(models: Models, sampled: Sampled, group, step: Step,
                     fresh_rows=None) -> Rollout:
     """The training code path over sampled responses -> Rollout: old and reference log-probs,
     entropy and values (zeros without a critic), and with a teacher (on-policy distillation,
@@ -137,7 +133,11 @@ def rollout_forward(policy, reference, critic, sampled: Sampled, group, cfg, aut
     group: [B] int64, each row's prompt id in the global batch. With cfg.old_logprobs_from_rollout
     the old log-probs and entropy are the decoding pass's: no policy forward. fresh_rows
     (update.fresh_first_minibatch): rows the policy is not run over here; the update's first
-    minibatch fills their old log-probs and entropy."""
+    minibatch fills their old log-probs and entropy. Reads the models' policy, reference, critic
+    and teacher."""
+    policy, reference, critic, teacher = (models.policy, models.reference, models.critic,
+                                          models.teacher)
+    cfg, autocast = step.cfg, step.autocast
     policy.eval()
     input_ids = torch.cat([sampled.prompt_ids, sampled.tokens], dim=1)  # [B, P+R]
     # [B, R] bool: the response's tokens, observations too
@@ -264,8 +264,8 @@ def evaluate_rows(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=F
         batch = [prompts[i] for i in rows.tolist()]  # rows (ppo_core.data.prompts)
         if cfg.environment:  # the episodes' rewards
             batch = [r if isinstance(r, dict) else {"prompt": r} for r in batch]
-            played = play_episodes(policy, tokenizer, batch, cfg, generator, autocast, 0, None,
-                                   greedy)
+            played = play_episodes(policy, tokenizer, batch, Step(cfg, generator, autocast), 0,
+                                   None, greedy)
             scores.append(played.scores)
             responses += played.responses
             continue
@@ -371,14 +371,16 @@ def encode_prompts(tokenizer, prompts, device, pad_to=0, cfg=None):
 # ---------------------------------------------------------------------------- sampling and scoring
 
 @torch.no_grad()
-def sample_and_score(policy, tokenizer, prompt_rows, reward_source, cfg, generator, autocast,
-                     pad_to, rows, encoded):
+def sample_and_score(models: Models, step: Step, prompt_rows, pad_to, rows, encoded):
     """One response per row of `prompt_rows`, and its score from the reward source (under the
     policy passes' autocast) -> Sampled. The reward sees the raw prompt text (not the chat
-    rendering) and the rows' extra columns."""
+    rendering) and the rows' extra columns. Reads the models' policy, tokenizer and
+    reward_source."""
+    policy, tokenizer, reward_source = models.policy, models.tokenizer, models.reward_source
+    cfg, generator, autocast = step.cfg, step.generator, step.autocast
     policy.eval()
     if cfg.environment:
-        return play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows)
+        return play_episodes(policy, tokenizer, prompt_rows, step, pad_to, rows)
     t0 = time.perf_counter()
     out = sample_responses(policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows,
                            encoded=encoded, autocast=autocast,
@@ -517,7 +519,7 @@ def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id,
 
 
 @torch.no_grad()
-def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_to, rows,
+def play_episodes(policy, tokenizer, prompt_rows, step: Step, pad_to, rows,
                   greedy=False) -> Sampled:
     """sample_and_score for multi-turn episodes (cfg.environment, ppo_core.agents.environments):
     one episode per row, played on the rollout engine, scored by its environment's rewards.
@@ -529,6 +531,7 @@ def play_episodes(policy, tokenizer, prompt_rows, cfg, generator, autocast, pad_
     environment counts them (ToolEnvironment), env/tool_calls, env/malformed_calls,
     env/tool_errors, env/tool_s (seconds its tools ran: the sandbox's for Python); samples.jsonl
     gets each conversation turn by turn."""
+    cfg, generator, autocast = step.cfg, step.generator, step.autocast
     build, tools = make_environment(cfg.environment, cfg.tools, cfg.max_turns,
                                     cfg.max_tool_calls_per_turn)
     device = next(policy.parameters()).device
@@ -700,11 +703,9 @@ def sampled_from_state(state: dict, device):
 
 # ---------------------------------------------------------------------------- for tests
 
-def collect_rollout(policy, reference, critic, tokenizer, prompts, reward_source, cfg, generator,
-                    autocast, pad_to, rows, encoded, group):
+def collect_rollout(models: Models, step: Step, prompts, pad_to, rows, encoded, group):
     """Sample and score one response per row (a prompt row or a plain prompt string), then run the
     training code path over them. -> (Rollout, ended [B])."""
     prompts = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
-    sampled = sample_and_score(policy, tokenizer, prompts, reward_source, cfg, generator, autocast,
-                               pad_to, rows, encoded)
-    return rollout_forward(policy, reference, critic, sampled, group, cfg, autocast), sampled.ended
+    sampled = sample_and_score(models, step, prompts, pad_to, rows, encoded)
+    return rollout_forward(models, sampled, group, step), sampled.ended

@@ -114,8 +114,8 @@ def run(cfg: PPOConfig, resume_from=None):
 
     random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     # the rollouts' sampling noise, the device, the autocast region
-    step = Step(cfg, torch.Generator(device=device).manual_seed(cfg.seed), device,
-                precision.autocast)
+    step = Step(cfg, torch.Generator(device=device).manual_seed(cfg.seed), precision.autocast,
+                device)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
     opts = Optimizers(m.policy, m.critic, cfg,
                       cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
@@ -291,24 +291,17 @@ def next_rollout(it, s: Setup, step: Step, state, workers, fresh):
     the rollout workers' (rollout_ranks), one sampled an update earlier (max_staleness=1), or
     sampled now (iteration_rollout). fresh: the update's first minibatch's rows, not scored here.
     -> (Rollout, ended [b], stats)."""
-    cfg, m = step.cfg, s.models
     if s.replay is not None:
         # 1-2 read from a recorded run, 3 as after sampling: see replayed_rollout
-        return replayed_rollout(it, s.replay, m.policy, m.reference, m.critic, cfg, step.autocast,
-                                m.teacher, step.device)
+        return replayed_rollout(it, s.replay, s.models, step)
     if workers is not None:  # 1-3 on the rollout worker (ppo_core.run.rollout_worker)
         share, worker_stats = workers.rollout(it, state)
         sampled, group, filter_stats = sampled_from_state(share, step.device)
         filter_stats.update(worker_stats)
-        rollout = rollout_forward(m.policy, m.reference, m.critic, sampled, group, cfg,
-                                  step.autocast, m.teacher, fresh)
-        return rollout, sampled.ended, filter_stats
-    if cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
-        return stale_rollout(it, state, s.stream, m.policy, m.reference, m.critic, m.tokenizer,
-                             m.reward_source, cfg, step.generator, step.autocast, m.teacher)
-    return iteration_rollout(it, s.stream, m.policy, m.reference, m.critic, m.tokenizer,
-                             m.reward_source, cfg, step.generator, step.autocast,
-                             teacher=m.teacher, fresh_rows=fresh)  # 1-3
+        return rollout_forward(s.models, sampled, group, step, fresh), sampled.ended, filter_stats
+    if step.cfg.max_staleness:  # 1-3, one update stale: see stale_rollout
+        return stale_rollout(it, state, s.stream, s.models, step)
+    return iteration_rollout(it, s.stream, s.models, step, fresh_rows=fresh)  # 1-3
 
 
 def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
@@ -331,11 +324,11 @@ def serve_rollouts(cfg: PPOConfig, policy_path, device, precision):
                                device=device).eval()
     reward_source = make_reward_source(cfg, device, precision.param_dtype)
     # reseeded per iteration by iteration_rollout
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    step = Step(cfg, torch.Generator(device=device).manual_seed(cfg.seed), precision.autocast,
+                device)
+    models = Models(policy, reference, tokenizer=tokenizer, reward_source=reward_source)
     def sample(it):  # the loop's rollout, steps 1-2, this worker's rows, for the wire
-        sampled, group, stats = iteration_rollout(it, stream, policy, reference, None, tokenizer,
-                                                  reward_source, cfg, sample_gen,
-                                                  precision.autocast, sample_only=True)
+        sampled, group, stats = iteration_rollout(it, stream, models, step, sample_only=True)
         return sampled_state(sampled, group, stats, lists=False)
 
     rollout_worker.serve(cfg, policy, stream, sample, wire_autocast(precision))
@@ -350,16 +343,15 @@ def wire_autocast(precision):
     return precision.autocast_dtype if precision.param_dtype == torch.float32 else None
 
 
-def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, reward_source, cfg,
-                  sample_gen, autocast, teacher=None):
+def stale_rollout(it, state, stream, models: Models, step: Step):
     """cfg.max_staleness = 1: iteration it trains on the rollout sampled (and scored) before the
     previous update, with the weights iteration it-1 started from (the first iteration samples its
     own), and samples iteration it+1's now, with its own starting weights, as a rollout worker one
     update behind would while it trains. The one sampled but not yet trained on waits in
     state["pending_rollout"] (ppo_core.rollout.sampled_state), which the checkpoint holds.
     -> what iteration_rollout returns; the old log-probs are recomputed with the current weights."""
-    device = next(policy.parameters()).device
-    args = (stream, policy, reference, critic, tokenizer, reward_source, cfg, sample_gen, autocast)
+    cfg, device = step.cfg, next(models.policy.parameters()).device
+    args = (stream, models, step)
     pending = state.pop("pending_rollout", None)
     sampled, group, stats = (sampled_from_state(pending, device) if pending is not None
                              else iteration_rollout(it, *args, sample_only=True))
@@ -367,11 +359,11 @@ def stale_rollout(it, state, stream, policy, reference, critic, tokenizer, rewar
     if it + 1 < cfg.iterations:  # sampled with the weights iteration it starts from: version it
         state["pending_rollout"] = dict(
             sampled_state(*iteration_rollout(it + 1, *args, sample_only=True)), weights_version=it)
-    return (rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher),
-            sampled.ended, dict(stats, **{"off_policy/staleness": staleness}))
+    return (rollout_forward(models, sampled, group, step), sampled.ended,
+            dict(stats, **{"off_policy/staleness": staleness}))
 
 
-def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teacher, device):
+def replayed_rollout(it, replay, models: Models, step: Step):
     """cfg.replay_rollouts: iteration it's rollout as the recorded run sampled and scored it
     (ppo_core.run.recording), then step 3 with this run's models and config, as after sampling
     (rollout_forward): old and reference log-probs, values. The recorded sampler's log-probs mu
@@ -381,7 +373,7 @@ def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teach
     off_policy/behav_gap_mean and _max: |log pi_old - log mu| per token, this run's policy against
     the recorded sampler (0 for the recorded run's own config; with an off_policy_correction the
     update reports them). A recorded iteration that cannot be read is a ConfigError."""
-    state = replay.read(it + 1)
+    cfg, device, state = step.cfg, step.device, replay.read(it + 1)
     try:
         sampled, group, stats = sampled_from_state(state["sampled"], device)
         recorded = {name: state["sampler"][name].to(device)
@@ -394,7 +386,7 @@ def replayed_rollout(it, replay, policy, reference, critic, cfg, autocast, teach
           else recorded["old_logprobs"])
     if records_decode_logprobs(cfg) and sampled.decode_logprobs is None:
         sampled.decode_logprobs, sampled.decode_entropy = mu, recorded["entropy"]
-    rollout = rollout_forward(policy, reference, critic, sampled, group, cfg, autocast, teacher)
+    rollout = rollout_forward(models, sampled, group, step)
     stats = {**stats, "time/generate_s": 0.0}  # nothing decoded
     if cfg.off_policy_correction == "none":
         mask = rollout.response_mask

@@ -20,6 +20,7 @@ from ppo_core.config import ConfigError, build_config, uses_critic
 from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.rollout import Sampled, rollout_forward
 from ppo_core.update import compute_advantages
+from ppo_core.run.start import Models, Step
 from random_weights import randomize
 
 DEMO = train.DEMO_CHECKPOINT  # the reverse task's SFT checkpoint: vocabulary 29, context 64
@@ -156,7 +157,8 @@ def test_the_teacher_pass_is_the_reference_pass(packed, fused, bf16):
     assert critic is None and teacher is not reference and reference is not policy
     randomize(policy, seed=0)  # a student other than the teacher
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    rollout = rollout_forward(policy, reference, None, sampled_batch(), torch.arange(B) // 2, cfg, autocast, teacher)
+    rollout = rollout_forward(Models(policy, reference, teacher=teacher), sampled_batch(), torch.arange(B) // 2,
+                              Step(cfg, autocast=autocast))
     mask = rollout.response_mask
     assert rollout.teacher_logprobs.shape == (B, R) and rollout.teacher_logprobs.dtype == torch.float32
     assert torch.equal(rollout.teacher_logprobs, rollout.ref_logprobs)
@@ -181,7 +183,7 @@ def test_no_teacher_no_teacher_pass():
     cfg = build_config({}, {"rollout_batch_size": str(B), "minibatch_size": str(B), "micro_batch_size": str(B),
                             "max_new_tokens": str(R)})
     model = train.load_model(DEMO)
-    rollout = rollout_forward(model, model, None, sampled_batch(), torch.arange(B), cfg, contextlib.nullcontext)
+    rollout = rollout_forward(Models(model, model), sampled_batch(), torch.arange(B), Step(cfg))
     assert rollout.teacher_logprobs is None
 
 

@@ -2,7 +2,6 @@
 random policy over a real BPE tokenizer with a chat template. The conversation the sequence holds must be exactly the
 template's rendering of the messages (checked here against a rendering of the final conversation in one go), the
 observations masked 0, rewards summed, the turn and token limits kept; a template that rewrites history is refused."""
-import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ from ppo_core.engine import RolloutEngine
 from ppo_core.agents.environments import IncrementalRenderError, run_episodes
 from ppo_core.models.model import CausalLM, ModelArgs
 from ppo_core.models.tokenizer import load_tokenizer
+from ppo_core.run.start import Models, Step
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_generate import BASE  # noqa: E402
@@ -187,10 +187,9 @@ def test_rollout_forward_attends_to_observations_and_scores_only_the_policy_toke
         cfg = build_config({}, {**batching, "environment": f"{checkpoint}/counter_env.py:Counter", "max_new_tokens": "48",
                                 "max_turn_tokens": "5", "rollout_batch_size": "2", "minibatch_size": "2",
                                 "adv_estimator": "grpo", "n_samples_per_prompt": "2", "fused_kernels": "false"})
-        sampled = play_episodes(model, tokenizer, rows, cfg, torch.Generator().manual_seed(0),
-                                contextlib.nullcontext, 0, (0, 2))
+        sampled = play_episodes(model, tokenizer, rows, Step(cfg, torch.Generator().manual_seed(0)), 0, (0, 2))
         assert (sampled.response_mask.bool() != sampled.attended).any()  # observations: attended, not trained on
-        rollout = rollout_forward(model, model, None, sampled, torch.tensor([0, 0]), cfg, contextlib.nullcontext)
+        rollout = rollout_forward(Models(model, model), sampled, torch.tensor([0, 0]), Step(cfg))
         for i in range(2):
             n, P = int(sampled.attended[i].sum()), sampled.prompt_ids.shape[1]
             real = sampled.prompt_mask[i].sum().item()

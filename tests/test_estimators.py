@@ -24,6 +24,7 @@ from ppo_core.rollout import Rollout, iteration_rollout, prompt_token_ids, sampl
 from ppo_core.data.tasks import PromptStream, eval_prompts, reverse_reward
 from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.update import MicroBatch, compute_advantages, lr_at, policy_objective
+from ppo_core.run.start import Models, Step
 
 from test_resume import DRIVER
 from test_tokenizer import write_word_level
@@ -277,8 +278,8 @@ def test_filter_groups_keeps_only_groups_with_varied_scores(tmp_path, monkeypatc
     tok = load_tokenizer(train.DEMO_CHECKPOINT)
     policy = load_model(train.DEMO_CHECKPOINT)
     stream = PromptStream(0, eval_prompts(8, 0))
-    rollout, ended, stats = iteration_rollout(0, stream, policy, policy, None, tok, make_reward_source(cfg),
-                                                    cfg, torch.Generator().manual_seed(0), train.contextlib.nullcontext)
+    models = Models(policy, policy, tokenizer=tok, reward_source=make_reward_source(cfg))
+    rollout, ended, stats = iteration_rollout(0, stream, models, Step(cfg, torch.Generator().manual_seed(0)))
     assert rollout.input_ids.shape[0] == 16 and ended.shape == (16,)
     assert torch.equal(rollout.group, torch.arange(16) // 4)
     assert stats["filter/batches"] >= 2  # about half the words have odd length: one batch cannot fill the quota

@@ -53,6 +53,7 @@ from ppo_core.rollout import collect_rollout
 from ppo_core.data.tasks import eval_prompts
 from ppo_core.models.tokenizer import load_tokenizer
 from ppo_core.update import MB_STATS, Optimizers, compute_advantages, ppo_update
+from ppo_core.run.start import Models, Step
 
 PPO_CORE = os.path.dirname(os.path.abspath(train.__file__))
 KERNELS = os.path.dirname(os.path.abspath(ppo_kernels.__file__))
@@ -236,9 +237,9 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1, packed=False):
         encoded = [tokenizer.encode(p) for p in prompts[:b]]
         pad_to = train.dist.all_reduce_max_int(max(len(e) for e in encoded))
         rows = (0, len(prompts)) if world > 1 else None
-        rollout, ended = collect_rollout(policy, reference, critic, tokenizer, prompts[:b],
-                                               make_reward_source(cfg), cfg, None, ac, pad_to, rows, encoded,
-                                               torch.arange(b))
+        models = Models(policy, reference, critic, tokenizer=tokenizer, reward_source=make_reward_source(cfg))
+        rollout, ended = collect_rollout(models, Step(cfg, None, ac), prompts[:b], pad_to, rows, encoded,
+                                         torch.arange(b))
         for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
                      "old_values", "entropy", "scores", "group"):
             assert getattr(rollout, name).device.type == "cuda", name

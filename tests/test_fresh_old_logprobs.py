@@ -14,6 +14,7 @@ from ppo_core import train
 from ppo_core.config import build_config
 from ppo_core.update import compute_advantages, fresh_first_minibatch, ppo_update
 from ppo_core.rollout import rollout_forward
+from ppo_core.run.start import Models, Step
 
 from test_packed_update import B, models, sampled_batch
 
@@ -70,8 +71,8 @@ def run_update(cfg, fresh, models_):
     shuffle = torch.Generator().manual_seed(3)
     fresh_rows = fresh_first_minibatch(cfg, B, shuffle) if fresh else None
     seen_policy, seen_reference = RowsSeen(policy), RowsSeen(reference)
-    rollout = rollout_forward(policy, reference, None, sampled_batch(), torch.arange(B) // 2, cfg,
-                              contextlib.nullcontext, fresh_rows=fresh_rows)
+    rollout = rollout_forward(Models(policy, reference), sampled_batch(), torch.arange(B) // 2, Step(cfg),
+                              fresh_rows=fresh_rows)
     scored = (seen_policy.tokens, seen_reference.tokens)
     seen_policy.handle.remove()
     seen_reference.handle.remove()
@@ -122,8 +123,8 @@ def test_a_wrong_prediction_is_refused():
     models_ = models()
     cfg = config(packed=False)
     policy, reference, _ = models_
-    rollout = rollout_forward(policy, reference, None, sampled_batch(), torch.arange(B) // 2, cfg,
-                              contextlib.nullcontext, fresh_rows=torch.tensor([0, 1, 2, 3]))
+    rollout = rollout_forward(Models(policy, reference), sampled_batch(), torch.arange(B) // 2, Step(cfg),
+                              fresh_rows=torch.tensor([0, 1, 2, 3]))
     compute_advantages(rollout, cfg, 0.05, torch.ones(B, dtype=torch.bool))
     order = torch.randperm(B, generator=torch.Generator().manual_seed(3))
     assert set(order[:MINIBATCH].tolist()) != {0, 1, 2, 3}  # (this seed's first minibatch is another)

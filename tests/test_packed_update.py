@@ -11,6 +11,7 @@ from ppo_core.config import build_config
 from ppo_core.models.model import ModelArgs, ScoreModel
 from ppo_core.rollout import Sampled, rollout_forward
 from ppo_core.update import compute_advantages, minibatch_gradients, ppo_update
+from ppo_core.run.start import Models, Step
 
 from test_generate import BASE, tiny
 
@@ -57,8 +58,8 @@ def scored(cfg, policy, reference, critic):
     sampled = sampled_batch()
     if cfg.off_policy_correction != "none":  # the sampler's log-probs (each test sets the behaviour it needs)
         sampled.decode_logprobs = torch.zeros(B, R, dtype=torch.float64)
-    rollout = rollout_forward(policy, reference, critic if cfg.adv_estimator == "gae" else None, sampled,
-                              torch.arange(B) // 2, cfg, contextlib.nullcontext)
+    rollout = rollout_forward(Models(policy, reference, critic if cfg.adv_estimator == "gae" else None), sampled,
+                              torch.arange(B) // 2, Step(cfg))
     compute_advantages(rollout, cfg, 0.05, sampled.ended)
     return rollout
 
@@ -245,9 +246,10 @@ def test_one_autocast_region_per_pass_gives_the_bits_of_one_region_per_micro_bat
 
     policy, reference, critic = (m.float() for m in models())
     cfg = config(True, fused_kernels=str(fused).lower(), adv_estimator="gae")
-    rollout = rollout_forward(policy, reference, critic, sampled_batch(), torch.arange(B) // 2, cfg, bf16_autocast)
+    rollout = rollout_forward(Models(policy, reference, critic), sampled_batch(), torch.arange(B) // 2,
+                              Step(cfg, autocast=bf16_autocast))
     compute_advantages(rollout, cfg, 0.05, torch.ones(B, dtype=torch.bool))
-    fp32 = rollout_forward(policy, reference, None, sampled_batch(), torch.arange(B) // 2, cfg, contextlib.nullcontext)
+    fp32 = rollout_forward(Models(policy, reference), sampled_batch(), torch.arange(B) // 2, Step(cfg))
     assert not torch.equal(fp32.old_logprobs, rollout.old_logprobs)  # the bf16 matmuls took effect
     lengths = rollout.host_mask.sum(-1).tolist()
     chunks = [torch.tensor(rows) for rows in token_budget_micro_batches(list(range(B)), lengths, BUDGET)]

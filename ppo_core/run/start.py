@@ -27,17 +27,17 @@ from . import checkpoint, plan, recording, runlog, tracking
 @dataclasses.dataclass
 class Models:
     """The models of a run and what scores their samples, built once (ppo_core.train.set_up) and
-    passed together."""
+    passed together; a function reads the ones it needs."""
 
     policy: object  # CausalLM
     reference: object  # frozen; the policy itself where its LoRA adapters off give the base weights
-    critic: object  # ScoreModel; None for the critic-free estimators
-    teacher: object  # CausalLM; None without cfg.teacher (on-policy distillation)
-    tokenizer: object
-    reward_source: object  # scores the rollouts (ppo_core.rewards.source)
-    eval_source: object  # scores the held-out evaluations: reward_source, or eval_reward_fn's
-    policy_train: object  # what the update steps: the policy, or its DDP/FSDP wrapper
-    critic_train: object
+    critic: object = None  # ScoreModel; None for the critic-free estimators
+    teacher: object = None  # CausalLM; None without cfg.teacher (on-policy distillation)
+    tokenizer: object = None
+    reward_source: object = None  # scores the rollouts (ppo_core.rewards.source)
+    eval_source: object = None  # scores the held-out rows (reward_source or eval_reward_fn's)
+    policy_train: object = None  # what the update steps: the policy, or its DDP/FSDP wrapper
+    critic_train: object = None
 
 
 @dataclasses.dataclass
@@ -63,9 +63,10 @@ class Step:
     """A step's settings, what the passes read beside the models."""
 
     cfg: PPOConfig
-    generator: torch.Generator  # the rollouts' sampling noise, reseeded each iteration
-    device: torch.device
-    autocast: object  # -> a context manager: bf16 autocast, or nothing (ppo_core.models.precision)
+    generator: torch.Generator = None  # the rollouts' sampling noise, reseeded each iteration
+    # -> a context manager: bf16 autocast, or nothing (ppo_core.models.precision)
+    autocast: object = contextlib.nullcontext
+    device: torch.device = None  # where the models are (a rollout read from a state goes there)
 
 
 def torch_threads(cfg: PPOConfig) -> int:
