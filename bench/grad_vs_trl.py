@@ -29,7 +29,6 @@ EOS/padding masks are checked by the transformer blocks' gradients and the print
 by the parameters' identity.
 """
 import argparse
-import contextlib
 import copy
 import dataclasses
 import os
@@ -56,7 +55,8 @@ from ppo_core.data.packing import token_budget_micro_batches  # noqa: E402
 from ppo_core.data.prompts import load_rows  # noqa: E402
 from ppo_core.heads import micro_batches, response_labels, response_logprobs  # noqa: E402
 from ppo_core.rollout import Rollout, encode_prompts, sample_responses  # noqa: E402
-from ppo_core.update import compute_advantages, minibatch_gradients  # noqa: E402
+from ppo_core.update import Minibatch, compute_advantages, minibatch_gradients  # noqa: E402
+from ppo_core.run.start import Step  # noqa: E402
 from ppo_core.rewards.verifiers import last_number_reward  # noqa: E402
 
 TRL_ADV_EPS = 1e-4  # grpo_trainer.py, _generate_and_score_completions: advantages / (std_rewards + 1e-4)
@@ -233,8 +233,8 @@ def ppo_gradient(policy, rollout, cfg, fused, packed):
     policy.train()
     policy.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    sums, counts, _ = minibatch_gradients(policy, None, rollout, chunks, len(chunks), cfg, cfg.kl_coef,
-                                          contextlib.nullcontext)
+    sums, counts, _ = minibatch_gradients(policy, None, rollout, Minibatch(chunks, len(chunks)), Step(cfg),
+                                          cfg.kl_coef)
     grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
     pg, kl = sums[0].item(), sums[2].item()
     return grads, {"loss": pg + cfg.kl_coef * kl, "kl (k3 mean)": kl, "s": time.perf_counter() - t0,

@@ -26,7 +26,6 @@ SmolLM2-135M head shape (9 query heads, 3 KV heads, head size 64), forward + bac
 block-diagonal causal mask.
 """
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -133,7 +132,7 @@ def one_run(name, mode, threads, micro_batch, quick):
     seconds["old logp"] -= seconds["ref logp"]
     compute_advantages(rollout, cfg, 0.05, batch.ended)
     t0 = time.perf_counter()
-    ppo_update(policy, critic, rollout, cfg, 0.05, torch.Generator().manual_seed(0), contextlib.nullcontext, opts.step)
+    ppo_update(policy, critic, rollout, Step(cfg, torch.Generator().manual_seed(0)), 0.05, opts.step)
     seconds["update"] = time.perf_counter() - t0
     real = sum(PROMPT + r for r in lengths)
     computed = real if mode == "packed" else n * (PROMPT + R)

@@ -47,6 +47,7 @@ open_run_dir), an iteration's metrics and the summary (metrics.py), and `Checkpo
 (checkpoints.py), which saves and resumes the run and stops it early with what the README
 documents (a reward server down: a checkpoint and exit status 3; SIGTERM / SIGINT: 143).
 """
+import dataclasses
 import datetime
 import os
 import random
@@ -117,6 +118,7 @@ def run(cfg: PPOConfig, resume_from=None):
     step = Step(cfg, torch.Generator(device=device).manual_seed(cfg.seed), precision.autocast,
                 device)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)  # the minibatches' order
+    train_step = dataclasses.replace(step, generator=shuffle_gen)  # the update's settings
     opts = Optimizers(m.policy, m.critic, cfg,
                       cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
     kl_ctl = kl_controller(cfg)
@@ -152,9 +154,8 @@ def run(cfg: PPOConfig, resume_from=None):
             kl_coef = kl_ctl.value
             compute_advantages(rollout, cfg, kl_coef, ended)  # 4-5: rewards, advantages
             t_train = time.perf_counter()
-            train_stats = ppo_update(m.policy_train, m.critic_train, rollout, cfg, kl_coef,
-                                     shuffle_gen, step.autocast, opts.step,
-                                     train_policy=it >= cfg.critic_warmup)  # 6
+            train_stats = ppo_update(m.policy_train, m.critic_train, rollout, train_step, kl_coef,
+                                     opts.step, train_policy=it >= cfg.critic_warmup)  # 6
             # the new weights to the worker (and, one update stale, its next rollout)
             if workers is not None:
                 train_stats.update(workers.after_update(it, state))

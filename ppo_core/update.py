@@ -2,7 +2,8 @@
 
     # fills rollout.rewards, .advantages, .returns [B, R]
     compute_advantages(rollout, cfg, kl_coef, ended)
-    stats = ppo_update(policy, critic, rollout, cfg, kl_coef, generator, autocast, opts.step)
+    stats = ppo_update(policy, critic, rollout, Step(cfg, shuffle_gen, autocast), kl_coef,
+                       opts.step)
 
   advantages: penalties on the raw scores, r_t = -beta * KL_t on every token (with kl_in_reward) +
               the score on the last one, then cfg.adv_estimator's advantages (GAE with the critic's
@@ -41,6 +42,7 @@ from .config import PPOConfig
 from .data.packing import Packed, balanced_split, pack_rows, token_budget_micro_batches
 from .heads import micro_batches, response_head, response_labels, response_values
 from .rollout import Rollout
+from .run.start import Step
 
 
 # ---------------------------------------------------------------------------- the entry points
@@ -138,9 +140,9 @@ def fresh_first_minibatch(cfg: PPOConfig, n_rows, generator, train_policy=True):
     return torch.randperm(n_rows, generator=copy)[: cfg.minibatch_size]
 
 
-def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, generator, autocast,
-               step_fn, train_policy=True):
+def ppo_update(policy, critic, rollout: Rollout, step: Step, kl_coef, step_fn, train_policy=True):
     """`ppo_epochs` passes of minibatch updates over one rollout; returns each statistic's mean.
+    step: cfg, the generator that orders the minibatches, the autocast region.
 
     Minibatches are drawn from one permutation of the GLOBAL batch (the same on every process); each
     process runs the rows of the minibatch that it holds, in micro-batches, and the gradients are
@@ -155,6 +157,7 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
     `step_fn` (Optimizers.step) reads the gradient norms (are they finite?). Shuffling and row
     selection are host work on CPU tensors. tests/test_fake_cuda.py checks where reads are; why, and
     the one read in the model: docs/update.md#host-reads-one-place-per-optimizer-step."""
+    cfg, generator = step.cfg, step.generator
     policy.train()
     if critic is not None:
         critic.train()
@@ -194,9 +197,9 @@ def ppo_update(policy, critic, rollout: Rollout, cfg: PPOConfig, kl_coef, genera
             if fresh and not torch.equal(mb_global, rollout.fresh_rows):
                 raise RuntimeError(
                     "the update's first minibatch is not the one fresh_first_minibatch predicted")
-            sums, counts, ratio_devs = minibatch_gradients(policy, critic, rollout, chunks,
-                                                           n_micro, cfg, kl_coef, autocast,
-                                                           train_policy, fresh)
+            sums, counts, ratio_devs = minibatch_gradients(
+                policy, critic, rollout, Minibatch(chunks, n_micro, fresh), step, kl_coef,
+                train_policy)
             values, tokens, (first_dev, max_dev, gap_max) = _read_step_stats(
                 sums, counts, ratio_devs)
             for name, value in values.items():
@@ -248,8 +251,17 @@ def every_process_rows(rollout: Rollout) -> Rollout:
     return dataclasses.replace(rollout, **tensors, host_mask=tensors["attention_mask"].cpu())
 
 
-def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: PPOConfig, kl_coef,
-                        autocast, train_policy=True, fresh=False):
+@dataclass
+class Minibatch:
+    """This process's share of one minibatch, as ppo_update plans it."""
+
+    chunks: list  # its micro-batches: CPU index tensors of rollout rows
+    n_micro: int  # the micro-batches every process runs (the busiest process's count)
+    fresh: bool = False  # the update's first minibatch, its old log-probs not scored (None)
+
+
+def minibatch_gradients(policy, critic, rollout: Rollout, minibatch: Minibatch, step: Step,
+                        kl_coef, train_policy=True):
     """Forward and backward of policy and critic over this process's rows of one minibatch, in
     n_micro micro-batches: chunks, CPU index tensors of rows (a process with fewer than n_micro runs
     row 0 with no token in the loss: gradient 0), each padded to the rollout's width or, with
@@ -266,6 +278,8 @@ def minibatch_gradients(policy, critic, rollout: Rollout, chunks, n_micro, cfg: 
       ratio_devs  [3] device tensor: max |ratio - 1| of the processes' first micro-batches, and of
                   all of them; the largest behaviour gap |log pi_old - log mu|, 0 without an
                   off-policy correction"""
+    chunks, n_micro, fresh = minibatch.chunks, minibatch.n_micro, minibatch.fresh
+    cfg, autocast = step.cfg, step.autocast
     device = rollout.input_ids.device
     mask_mb = rollout.response_mask[torch.cat(chunks)] if chunks else rollout.response_mask[:0]
     # Global denominators for the whole minibatch, so the micro-batch losses of all processes

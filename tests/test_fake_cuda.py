@@ -251,7 +251,7 @@ def audit_one_iteration(fused, kl_in_reward, autocast, world=1, packed=False):
         trainable = [p for m in (policy, critic) for p in m.parameters() if p.requires_grad]
         backward = contextlib.nullcontext() if torch.cuda.is_available() else FakeBackward(trainable)
         with backward:
-            stats = ppo_update(policy, critic, rollout, cfg, 0.05, torch.Generator().manual_seed(0), ac, opts.step)
+            stats = ppo_update(policy, critic, rollout, Step(cfg, torch.Generator().manual_seed(0), ac), 0.05, opts.step)
         assert torch.cuda.is_available() or backward.calls == 2 * 2 * 2  # steps x micro-batches x (policy, critic)
         assert opts.step_count == step_count + 2 and opts.skipped == 0  # two minibatches, both stepped
         assert all(p.grad is None for p in policy.parameters())  # zero_grad after the step

@@ -4,7 +4,6 @@ Checked against the run that scores every row (float64, tiny models, padded and 
 the same gradients, statistics and filled-in log-probs to float64 rounding; the permutation predicted without
 drawing from the stream; None wherever the old log-probs are read before the update; and the default job, end to
 end, byte for byte the same weights and metrics as with every row scored."""
-import contextlib
 import json
 
 import pytest
@@ -84,7 +83,7 @@ def run_update(cfg, fresh, models_):
         policy.zero_grad(set_to_none=True)
         return {"policy/grad_norm": 0.0}
 
-    stats = ppo_update(policy, None, rollout, cfg, 0.05, shuffle, contextlib.nullcontext, step_fn)
+    stats = ppo_update(policy, None, rollout, Step(cfg, shuffle), 0.05, step_fn)
     return rollout, stats, grads, scored
 
 
@@ -129,7 +128,7 @@ def test_a_wrong_prediction_is_refused():
     order = torch.randperm(B, generator=torch.Generator().manual_seed(3))
     assert set(order[:MINIBATCH].tolist()) != {0, 1, 2, 3}  # (this seed's first minibatch is another)
     with pytest.raises(RuntimeError, match="first minibatch"):
-        ppo_update(policy, None, rollout, cfg, 0.05, torch.Generator().manual_seed(3), contextlib.nullcontext,
+        ppo_update(policy, None, rollout, Step(cfg, torch.Generator().manual_seed(3)), 0.05,
                    lambda train_policy=True: {})
 
 

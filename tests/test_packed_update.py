@@ -2,7 +2,6 @@
 log-probs, entropy and values, and the update's gradients, statistics and micro-batch plan for every loss_agg mode,
 estimator and loss kind, on the fused and the reference heads. Packing changes only the order of floating-point sums,
 so the two agree to float64 rounding."""
-import contextlib
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch
 from ppo_core.config import build_config
 from ppo_core.models.model import ModelArgs, ScoreModel
 from ppo_core.rollout import Sampled, rollout_forward
-from ppo_core.update import compute_advantages, minibatch_gradients, ppo_update
+from ppo_core.update import Minibatch, compute_advantages, minibatch_gradients, ppo_update
 from ppo_core.run.start import Models, Step
 
 from test_generate import BASE, tiny
@@ -88,8 +87,8 @@ def gradients(cfg, policy, critic, rollout, chunks, n_micro):
     for m in (policy, critic):
         m.zero_grad(set_to_none=True)
     use_critic = critic if cfg.adv_estimator == "gae" else None
-    sums, counts, devs = minibatch_gradients(policy, use_critic, rollout, chunks, n_micro, cfg, 0.05,
-                                             contextlib.nullcontext)
+    sums, counts, devs = minibatch_gradients(policy, use_critic, rollout, Minibatch(chunks, n_micro), Step(cfg),
+                                             0.05)
     grads = {f"policy.{n}": p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     if use_critic is not None:
         grads.update({f"critic.{n}": p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
@@ -160,8 +159,7 @@ def test_packed_update_steps_like_the_padded_one():
                 m.zero_grad(set_to_none=True)
             return {"policy/grad_norm": 0.0}
 
-        stats = ppo_update(policy, critic, rollout, cfg, 0.05, torch.Generator().manual_seed(0), contextlib.nullcontext,
-                           step_fn)
+        stats = ppo_update(policy, critic, rollout, Step(cfg, torch.Generator().manual_seed(0)), 0.05, step_fn)
         runs.append((seen, stats))
     (seen_pad, stats_pad), (seen_pack, stats_pack) = runs
     assert len(seen_pad) == len(seen_pack) == 2
@@ -277,7 +275,7 @@ def test_one_autocast_region_per_pass_gives_the_bits_of_one_region_per_micro_bat
         loss.backward()
     want = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)
-    minibatch_gradients(policy, None, rollout, chunks, len(chunks), cfg, 0.05, bf16_autocast)
+    minibatch_gradients(policy, None, rollout, Minibatch(chunks, len(chunks)), Step(cfg, autocast=bf16_autocast), 0.05)
     assert any(p.grad.abs().sum() > 0 for p in policy.parameters())
     for n, p in policy.named_parameters():
         assert torch.equal(p.grad, want[n]), n
