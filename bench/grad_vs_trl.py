@@ -236,7 +236,7 @@ def ppo_gradient(policy, rollout, cfg, fused, packed):
     sums, counts, _ = minibatch_gradients(policy, None, rollout, Minibatch(chunks, len(chunks)), Step(cfg),
                                           cfg.kl_coef)
     grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
-    pg, kl = sums[0].item(), sums[2].item()
+    pg, kl = sums["policy/loss"].item(), sums["policy/kl_loss"].item()
     return grads, {"loss": pg + cfg.kl_coef * kl, "kl (k3 mean)": kl, "s": time.perf_counter() - t0,
                    "micro-batches": len(chunks)}
 
