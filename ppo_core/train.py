@@ -123,8 +123,7 @@ def run(cfg: PPOConfig, resume_from=None):
                       cfg.ppo_epochs * (rollout_rows(cfg) // cfg.minibatch_size), log)
     kl_ctl = kl_controller(cfg)
     evaluate_policy = held_out_evaluation(s, step)
-    ckpts = Checkpoints(cfg, run_dir, log, tracker, m.policy, m.critic, m.tokenizer, opts,
-                        {"sample": step.generator, "shuffle": shuffle_gen}, kl_ctl, s.stream)
+    ckpts = Checkpoints(cfg, s, opts, {"sample": step.generator, "shuffle": shuffle_gen}, kl_ctl)
     workers = (RolloutClient(cfg, m.policy, s.stream, m.tokenizer.pad_token_id,
                              wire_autocast(precision)) if cfg.rollout_ranks else None)
     state = ckpts.state  # what the checkpoints hold beside models, optimizers, generators, ...
@@ -265,9 +264,7 @@ def first_iteration(s: Setup, ckpts, evaluate_policy, precision, step: Step) -> 
         start_iter = ckpts.resume(s.ckpt)
     else:
         start_iter = 0
-        log_first_lines(log, cfg, s.policy_path, s.models.policy, s.models.teacher,
-                        dist.world_size(), step.device, s.run_dir, precision, s.train_rows,
-                        s.held_out)
+        log_first_lines(s, step, dist.world_size(), precision)
         if s.overlong:
             log.info(
                 f"prompts: {s.overlong} rows dropped (drop_overlong_prompts): longer than the "

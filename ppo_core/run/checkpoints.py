@@ -90,12 +90,16 @@ class Checkpoints:
     iteration's evaluation, that iteration's metrics ("pending_metrics"), which a resume
     completes."""
 
-    def __init__(self, cfg: PPOConfig, run_dir, log, tracker, policy, critic, tokenizer, opts,
-                 generators, kl_ctl, stream):
-        self.cfg, self.run_dir, self.log, self.tracker = cfg, run_dir, log, tracker
-        self.policy, self.critic, self.tokenizer, self.sharded = (policy, critic, tokenizer,
-                                                                  dist.is_sharded(policy))
-        self.opts, self.generators, self.kl_ctl, self.stream = opts, generators, kl_ctl, stream
+    def __init__(self, cfg: PPOConfig, setup, opts, generators, kl_ctl):
+        """setup: the run's ppo_core.run.start.Setup (its models, stream, run directory, log and
+        trackers); opts: the Optimizers; generators: {name: torch.Generator} saved and restored."""
+        m = setup.models
+        self.cfg, self.run_dir, self.log, self.tracker = (cfg, setup.run_dir, setup.log,
+                                                          setup.tracker)
+        self.policy, self.critic, self.tokenizer, self.sharded = (m.policy, m.critic, m.tokenizer,
+                                                                  dist.is_sharded(m.policy))
+        self.opts, self.generators, self.kl_ctl = opts, generators, kl_ctl
+        self.stream = setup.stream
         # + eval_before(_greedy); a resume loads the saved one into this dict (see save)
         self.state = {"last_kl": 0.0, "last_kl_k3": 0.0}
         self.t0 = time.perf_counter()

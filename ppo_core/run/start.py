@@ -389,10 +389,12 @@ def kl_controller(cfg: PPOConfig):
             if cfg.kl_target > 0 else algo.FixedKLController(cfg.kl_coef))
 
 
-def log_first_lines(log, cfg: PPOConfig, policy_path, policy, teacher, world, device, run_dir,
-                    precision, train_rows, held_out):
-    """What a new run says first: the policy and where it runs, its teacher, its precision, its loss
-    paths, its prompts."""
+def log_first_lines(s: Setup, step: Step, world, precision):
+    """What a new run says first, to s.log: the policy and where it runs, its teacher, its
+    precision, its loss paths, its prompts."""
+    log, cfg, device, run_dir = s.log, step.cfg, step.device, s.run_dir
+    policy, teacher, policy_path = s.models.policy, s.models.teacher, s.policy_path
+    train_rows, held_out = s.train_rows, s.held_out
     log.info(
         f"policy {policy_path} ({policy.num_parameters() / 1e6:.2f}M params), {world} process(es) "
         f"on {device}, run dir {run_dir.path}")
