@@ -312,10 +312,9 @@ def per_token_checks(batch, inputs, rollout, trl_adv, cfg):
         return (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
 
     def ppo_loss(logp, adv):
-        pg, _ = algo.policy_loss(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, agg="token-mean",
-                                 num_tokens=mask.sum())
-        return pg + cfg.kl_coef * algo.aggregate(algo.kl_estimate(logp, ref, "k3"), mask, "token-mean",
-                                                 num_tokens=mask.sum())
+        agg = algo.Aggregation("token-mean", num_tokens=mask.sum())
+        pg, _ = algo.policy_loss(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, agg=agg)
+        return pg + cfg.kl_coef * algo.aggregate(algo.kl_estimate(logp, ref, "k3"), mask, agg)
 
     def dlogp(loss_fn, adv):
         logp = old.clone().double().requires_grad_(True)

@@ -120,7 +120,8 @@ def ppo_loss_fn(old, adv, mask):
     num_tokens = mask.sum()
 
     def loss_fn(logp, entropy, rows):
-        return algo.policy_loss(logp, old[rows], adv[rows], mask[rows], num_tokens=num_tokens)
+        return algo.policy_loss(logp, old[rows], adv[rows], mask[rows],
+                                agg=algo.Aggregation(num_tokens=num_tokens))
     return loss_fn
 
 

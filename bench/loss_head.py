@@ -76,11 +76,10 @@ def measure(which, H, V, dtype, repeats):
         from ppo_core import algo
 
         def objective(logp, entropy, rows):
-            m = mask[rows]
-            loss, stats = algo.policy_loss(logp, old[rows], adv[rows], m, 0.2, 0.2, num_tokens=n)
-            loss = loss + KL_COEF * algo.aggregate(algo.kl_estimate(logp, ref[rows], "k3"), m, "token-mean",
-                                                   num_tokens=n)
-            return loss - ENTROPY_COEF * algo.aggregate(entropy, m, "token-mean", num_tokens=n), stats
+            m, agg = mask[rows], algo.Aggregation("token-mean", num_tokens=n)
+            loss, stats = algo.policy_loss(logp, old[rows], adv[rows], m, 0.2, 0.2, agg=agg)
+            loss = loss + KL_COEF * algo.aggregate(algo.kl_estimate(logp, ref[rows], "k3"), m, agg)
+            return loss - ENTROPY_COEF * algo.aggregate(entropy, m, agg), stats
 
         def call():
             return ppo_kernels.linear_logprob_loss(hidden, weight, labels, objective, need_entropy=True,

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ppo_core.models import model as ppo_model  # noqa: E402
 from ppo_core.run import runlog
 from ppo_core import train  # noqa: E402
+from ppo_core import algo  # noqa: E402
 from ppo_core.heads import response_logprobs, response_values  # noqa: E402
 from ppo_core.update import MicroBatch, policy_objective  # noqa: E402
 from ppo_core.config import PPOConfig  # noqa: E402
@@ -210,7 +211,8 @@ def attention_passes(ckpt, device, batch, prompt_len, new):
 
     def train_step():
         policy.train(), critic.train()
-        agg = dict(agg=cfg.loss_agg, num_tokens=response_mask.sum(), num_seqs=torch.tensor(float(batch), device=device))
+        agg = algo.Aggregation(cfg.loss_agg, num_tokens=response_mask.sum(),
+                               num_seqs=torch.tensor(float(batch), device=device))
         try:
             with autocast():
                 micro = MicroBatch(input_ids=ids, attention_mask=am, response_mask=response_mask, prompt_len=P,

@@ -6,7 +6,7 @@ Pure functions, tensors in and tensors out; the training loop lives elsewhere. E
 mask may have holes (e.g. tool-output tokens mid-response): those positions are skipped, and rows
 may be fully masked. Masked positions of every `[B, T]` output hold 0.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -229,8 +229,35 @@ def distillation_advantages(logp, teacher_logp, mask, coef=1.0):
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate(loss_mat, mask, mode, *, num_tokens=None, num_seqs=None, norm_const=None):
-    """Reduce a [B, T] per-token loss to a scalar.
+@dataclass(frozen=True)
+class Aggregation:
+    """How a loss's [B, T] per-token terms become the one number trained (`aggregate`): what
+    travels together from the update to every loss.
+
+    mode: one of AGG_MODES (the config's loss_agg). num_tokens / num_seqs: the counts to divide by,
+    None = this call's own (real tokens / non-empty rows); the update passes the minibatch's GLOBAL
+    counts (over micro-batches and ranks) so that the micro-batch losses add up to the minibatch's.
+    norm_const: seq-mean-token-sum-norm's constant, None = the padded length mask.shape[-1].
+    weights: None, or [B, T] detached per-token weights w_t >= 0 that multiply each token's term
+    before the sum, L = aggregate(w_t L_t) (an off-policy correction's, `off_policy_weights`);
+    weighted tokens still count in the denominators, and w_t = 1 everywhere gives the unweighted
+    loss bit for bit. A loss function takes one `agg`: an Aggregation, or a mode name alone."""
+    mode: str = "token-mean"
+    num_tokens: object = None
+    num_seqs: object = None
+    norm_const: object = None
+    weights: object = None
+
+
+def as_aggregation(agg):
+    """`agg` as an Aggregation: a mode name (a str) becomes Aggregation(mode) with this call's own
+    counts."""
+    return agg if isinstance(agg, Aggregation) else Aggregation(agg)
+
+
+def aggregate(loss_mat, mask, agg):
+    """Reduce a [B, T] per-token loss to a scalar; agg: an Aggregation (or its mode alone).
+    With weights w, loss_it below is w_it loss_it.
 
     token-mean:              sum(loss * mask) / num_tokens
     seq-mean-token-mean:     sum_i [sum_t loss_it * mask_it / n_i] / num_seqs
@@ -244,8 +271,13 @@ def aggregate(loss_mat, mask, mode, *, num_tokens=None, num_seqs=None, norm_cons
     to the full-batch loss. (DDP averages gradients over ranks, so multiply by the world size
     there.) An empty batch gives 0 with zero gradients.
     """
+    agg = as_aggregation(agg)
+    mode, num_tokens, num_seqs, norm_const = agg.mode, agg.num_tokens, agg.num_seqs, agg.norm_const
     if mode not in AGG_MODES:
         raise ValueError(f"aggregate: mode must be one of {AGG_MODES}, got {mode!r}")
+    if agg.weights is not None:
+        # L_t = w_t L_t, w_t detached: a constant of the objective, like A_t
+        loss_mat = loss_mat * agg.weights
     token_sum = (loss_mat * mask).sum(-1)  # [B]
     if mode == "token-mean":
         if num_tokens is None:
@@ -276,8 +308,8 @@ def policy_loss_function(kind):
     Every path trains it: ppo_core.update.policy_objective calls it on the log-probs of the fused
     head (ppo_kernels' linear_logprob_loss) or of full logits alike.
 
-    Each is called as fn(logp, old_logp, advantages, mask, weights=, agg=, num_tokens=, num_seqs=,
-    **settings), with settings = loss_settings(kind, cfg), and returns (loss: 0-dim, stats: dict of
+    Each is called as fn(logp, old_logp, advantages, mask, agg=Aggregation(...), **settings), with
+    settings = loss_settings(kind, cfg), and returns (loss: 0-dim, stats: dict of
     detached 0-dim tensors). A new loss: its function below and its entry in POLICY_LOSSES
     (docs/adding-a-loss.md).
     """
@@ -314,7 +346,7 @@ def loss_couples_rows(kind):
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
-                agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+                agg="token-mean"):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), optional dual clip, optional
     per-token weights.
 
@@ -323,11 +355,9 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
     [1 - clip_low, 1 + clip_high].
     dual_clip: None or 0 (none), or c > 1 capping the loss of A < 0 tokens at c * |A| (Ye et al.
     2020, arXiv:1912.09729).
-    agg, num_tokens, num_seqs, norm_const: see `aggregate`.
-    weights: None, or [B, T] detached per-token weights w_t >= 0 that multiply each token's loss,
-    L_t = w_t L^CLIP_t: an off-policy correction's (`off_policy_weights`; `policy_loss_off_policy`
-    is this with them). Weighted tokens still count in aggregate's denominators; w_t = 1 everywhere
-    gives the unweighted loss bit for bit.
+    agg: an `Aggregation` (the mode, the global counts, and per-token weights w_t, L_t =
+    w_t L^CLIP_t: an off-policy correction's; `policy_loss_off_policy` is this with them), or a
+    mode name alone.
     Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local
     tokens):
       clipfrac       fraction of real tokens where the clipped branch is strictly larger
@@ -356,18 +386,15 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
         stats["dual_clipfrac"] = masked_mean((negative & (pg_losses > pg_loss3)).to(ratio.dtype),
                                              mask)
         pg_losses = torch.where(negative, torch.minimum(pg_losses, pg_loss3), pg_losses)
-    if weights is not None:
-        # L_t = w_t L^CLIP_t, w_t detached: a constant of the objective, like A_t
-        pg_losses = pg_losses * weights
-    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    # L = aggregate(w_t L^CLIP_t): agg's weights (an off-policy correction's, detached) times each
+    # token's term
+    loss = aggregate(pg_losses, mask, agg)
     stats.update(_ratio_stats(ratio, log_ratio, mask))
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
 def cispo_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
-                      agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *,
-                      weights=None):
+                      agg="token-mean"):
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1, MiniMax 2025,
     arXiv:2506.13585):
 
@@ -382,7 +409,7 @@ def cispo_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=
     1 - clip_low <= 0 never binds); the config's default 0.2 keeps PPO's symmetric band.
     dual_clip: must be None (the weight is already bounded; the config refuses dual_clip with
     CISPO).
-    Other arguments, weights and the returned stats as in `policy_loss`; clipfrac here is the
+    agg and the returned stats as in `policy_loss`; clipfrac here is the
     fraction of real tokens whose weight was clipped (r_t strictly outside the band): their gradient
     is not zeroed, only bounded.
     """
@@ -398,11 +425,8 @@ def cispo_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=
     pg_losses = -advantages * is_weight * logp
     clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
     stats = {"clipfrac": masked_mean(clipped.to(ratio.dtype), mask)}
-    if weights is not None:
-        # L_t = w_t L^CISPO_t, w_t detached (an off-policy correction's, as in policy_loss)
-        pg_losses = pg_losses * weights
-    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    # L = aggregate(w_t L_t): agg's weights (an off-policy correction's) times each token's term
+    loss = aggregate(pg_losses, mask, agg)
     stats.update(_ratio_stats(ratio, log_ratio, mask))
     return loss, {k: v.detach() for k, v in stats.items()}
 
@@ -417,8 +441,8 @@ def _ratio_stats(ratio, log_ratio, mask):
             "ratio_max_dev": torch.where(mask > 0, (ratio - 1).abs(), 0.0).max()}
 
 
-def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, num_seqs=None,
-                     *, dual_clip=None, weights=None, agg=None, num_tokens=None):
+def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4,
+                     agg="token-mean", dual_clip=None):
     """GSPO: the clipped surrogate on a sequence-level ratio (Zheng et al. 2025, "Group Sequence
     Policy Optimization", arXiv:2507.18071, eq. 5), as a loss to minimise.
 
@@ -428,12 +452,11 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
     clip_low / clip_high: s_i clipped to [1 - clip_low, 1 + clip_high]; the defaults are the paper's
     3e-4 / 4e-4 (a sequence ratio is a per-token geometric mean, so its range is far narrower than
     PPO's token ratio).
-    num_seqs: the count to divide by, default the local number of non-empty rows; pass the GLOBAL
-    count (over accumulation microbatches and ranks) so that the per-microbatch losses sum to the
-    full-batch loss, as in `aggregate`. GSPO always reduces as a mean over sequences (the paper's
-    1/G sum_i): agg and num_tokens are not read (they are accepted so that every kind of
-    `policy_loss_function` is called alike). dual_clip and weights must be None: a sequence's one
-    ratio has no token losses to cap or weight (the config refuses both with GSPO).
+    agg: an `Aggregation` (or a mode name); only its num_seqs is read, the count to divide by
+    (None: the local number of non-empty rows; the update passes the GLOBAL count, as for
+    `aggregate`). GSPO always reduces as a mean over sequences (the paper's 1/G sum_i), whatever the
+    mode. dual_clip and agg.weights must be None: a sequence's one ratio has no token losses to cap
+    or weight (the config refuses both with GSPO).
     The gradient is the paper's: d l_i / d logp_t = -A_i s_i / |y_i| on each real token of an
     unclipped row, 0 on a clipped one (its GSPO-token form, s_it = sg[s_i] pi(y_t) / sg[pi(y_t)]
     averaged over each row's tokens, has the same value and gradient when A is constant over the
@@ -446,7 +469,8 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
       ratio_mean     mean of s_i over non-empty rows; ratio_max_dev: max |s_i - 1| over them (0 if
                      none)
     """
-    if dual_clip is not None or weights is not None:
+    num_seqs = as_aggregation(agg).num_seqs
+    if dual_clip is not None or as_aggregation(agg).weights is not None:
         raise ValueError(
             "gspo_policy_loss: dual_clip and weights do not apply to a sequence-level ratio")
     tokens_per_seq = mask.sum(-1)  # [B] |y_i|
@@ -480,8 +504,7 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
 
 
 def sapo_policy_loss(logp, old_logp, advantages, mask, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
-                     agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *,
-                     weights=None):
+                     agg="token-mean"):
     """SAPO: a smooth, temperature-controlled gate in place of PPO's hard clip (Qwen team 2025,
     "Soft Adaptive Policy Optimization", arXiv:2511.20347), as a loss to minimise:
 
@@ -495,10 +518,9 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, sapo_tau_pos=1.0, sapo_ta
     docs/algorithm.md#sapo_policy_loss.)
 
     logp, old_logp, advantages, mask: [B, T] as in `policy_loss`. sapo_tau_pos, sapo_tau_neg: tau
-    for A > 0 and A <= 0, both > 0. agg, num_tokens, num_seqs, norm_const: see `aggregate`; the
-    paper averages per sequence (seq-mean-token-mean), here loss_agg chooses, as for every
-    token-level loss. weights: None, or [B, T] detached per-token weights multiplying each token's
-    loss, as in `policy_loss`. The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]
+    for A > 0 and A <= 0, both > 0. agg: as in `policy_loss` (an `Aggregation` with its weights);
+    the paper averages per sequence (seq-mean-token-mean), here loss_agg chooses, as for every
+    token-level loss. The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]
     before exp, as in `policy_loss`.
     Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local
     tokens): approx_kl, ratio_mean, ratio_max_dev as in `policy_loss` (no clipfrac: nothing is
@@ -521,11 +543,8 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, sapo_tau_pos=1.0, sapo_ta
     gate = torch.sigmoid(gate_input) * (4 / tau)
     # L_t = -f_t(r_t) A_t
     pg_losses = -gate * advantages
-    if weights is not None:
-        # L_t = w_t L^SAPO_t, w_t detached (an off-policy correction's, as in policy_loss)
-        pg_losses = pg_losses * weights
-    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    # L = aggregate(w_t L_t): agg's weights (an off-policy correction's) times each token's term
+    loss = aggregate(pg_losses, mask, agg)
     with torch.no_grad():
         sigmoid = torch.sigmoid(gate_input)
         # gate weight = d f_t / d r at r_t = 4 sigmoid(x_t) (1 - sigmoid(x_t))
@@ -535,7 +554,7 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, sapo_tau_pos=1.0, sapo_ta
 
 
 def gmpo_policy_loss(logp, old_logp, advantages, mask, gmpo_clip_low=0.4, gmpo_clip_high=0.4,
-                     num_seqs=None, *, weights=None, agg=None, num_tokens=None):
+                     agg="token-mean"):
     """GMPO: the geometric mean of the token ratios of a response, each clipped in log space (Zhao
     et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673), as a loss to minimise. Per
     non-empty row i, with A_i its advantage and |y_i| its real tokens:
@@ -554,10 +573,9 @@ def gmpo_policy_loss(logp, old_logp, advantages, mask, gmpo_clip_low=0.4, gmpo_c
     mean; the paper's advantages are group-relative, as adv_estimator=grpo gives); mask: [B, T].
     gmpo_clip_low, gmpo_clip_high: eps_low, eps_high >= 0, the log-ratio's clip range (the paper's
     0.4 each). The row's mean log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before
-    exp (zero gradient beyond it). num_seqs: as in `gspo_policy_loss` (pass the GLOBAL count); GMPO
-    always averages over sequences, so agg and num_tokens are not read. weights must be None: a
-    response's one ratio has no token losses to weight (the config refuses an off-policy correction
-    with GMPO).
+    exp (zero gradient beyond it). agg: as in `gspo_policy_loss` (only num_seqs read); GMPO always
+    averages over sequences, whatever the mode. agg.weights must be None: a response's one ratio
+    has no token losses to weight (the config refuses an off-policy correction with GMPO).
     Fully masked rows are left out. Returns (loss: 0-dim, stats: dict of detached 0-dim tensors):
       clipfrac          fraction of real tokens held at their clip bound (c_it != log r_it: zero
                         gradient)
@@ -565,7 +583,8 @@ def gmpo_policy_loss(logp, old_logp, advantages, mask, gmpo_clip_low=0.4, gmpo_c
       gmpo_ratio_mean   mean over non-empty rows of exp(1/|y_i| sum_t c_it), the clipped
                         geometric-mean ratio
     """
-    if weights is not None:
+    num_seqs = as_aggregation(agg).num_seqs
+    if as_aggregation(agg).weights is not None:
         raise ValueError(
             "gmpo_policy_loss: weights do not apply to a sequence's geometric-mean ratio")
     if gmpo_clip_low < 0 or gmpo_clip_high < 0:
@@ -619,8 +638,7 @@ def _centred_covariance(logp, advantages, mask):
 
 
 def clip_cov_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2,
-                         clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, agg="token-mean",
-                         num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+                         clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, agg="token-mean"):
     """Clip-Cov: PPO's clipped surrogate with a few high-covariance tokens taken out of the gradient
     (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
     Models", arXiv:2505.22617).
@@ -645,8 +663,8 @@ def clip_cov_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_hi
     The selection reads every row of the call (a batch statistic), so its POLICY_LOSSES entry
     couples rows: the fused head hands it a whole micro-batch, and N and the means are the
     micro-batch's. clip_cov_ratio in (0, 1]; clip_cov_lb < clip_cov_ub (the paper's 2e-4, 1, 5).
-    Other arguments and weights as in `policy_loss` (dual_clip is not taken). One host read per
-    call (N and the candidates).
+    agg as in `policy_loss` (dual_clip is not taken). One host read per call (N and the
+    candidates).
     Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local
     tokens):
       clipfrac       fraction of real tokens where PPO's clipped branch is strictly larger, as in
@@ -683,11 +701,8 @@ def clip_cov_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_hi
             0, candidate_idx[drawn], True).view_as(real)
     # L_t = 0 on I_clip (no value, no gradient), L^CLIP_t elsewhere
     pg_losses = torch.where(in_clip, 0.0, torch.maximum(pg_loss1, pg_loss2))
-    if weights is not None:
-        # L_t = w_t L^ClipCov_t, w_t detached (an off-policy correction's, as in policy_loss)
-        pg_losses = pg_losses * weights
-    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    # L = aggregate(w_t L_t): agg's weights (an off-policy correction's) times each token's term
+    loss = aggregate(pg_losses, mask, agg)
     stats = {"clipfrac": masked_mean(clipped.to(ratio.dtype), mask),
              "clipcov_frac": masked_mean(in_clip.to(ratio.dtype), mask),
              **_ratio_stats(ratio, log_ratio, mask)}
@@ -695,8 +710,7 @@ def clip_cov_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_hi
 
 
 def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-3, kl_cov_coef=1.0,
-                       agg="token-mean", num_tokens=None, num_seqs=None, norm_const=None, *,
-                       weights=None):
+                       agg="token-mean"):
     """KL-Cov: the unclipped surrogate with a KL penalty on the highest-covariance tokens (Cui et
     al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
     arXiv:2505.22617), as a loss:
@@ -714,8 +728,8 @@ def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-3, kl_c
 
     The ranking reads every row of the call, so its POLICY_LOSSES entry couples rows (a whole
     micro-batch at once; N and the means are the micro-batch's). kl_cov_ratio in (0, 1];
-    kl_cov_coef >= 0 (the defaults are the paper's 7B setting). Other arguments and weights as in
-    `policy_loss` (dual_clip is not taken). One host read per call (N).
+    kl_cov_coef >= 0 (the defaults are the paper's 7B setting). agg as in `policy_loss` (dual_clip
+    is not taken). One host read per call (N).
     Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local
     tokens): approx_kl, ratio_mean, ratio_max_dev as in `policy_loss` (no clipfrac: nothing is
     clipped), and
@@ -741,18 +755,15 @@ def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-3, kl_c
         in_kl = torch.zeros_like(real).flatten().index_fill(0, real_idx[ranked], True).view_as(real)
     # L_t = -A_t r_t + beta |log r_t| 1[t in I_KL]
     pg_losses = -advantages * ratio + torch.where(in_kl, kl_cov_coef * log_ratio.abs(), 0.0)
-    if weights is not None:
-        # L_t = w_t L^KLCov_t, w_t detached (an off-policy correction's, as in policy_loss)
-        pg_losses = pg_losses * weights
-    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    # L = aggregate(w_t L_t): agg's weights (an off-policy correction's) times each token's term
+    loss = aggregate(pg_losses, mask, agg)
     stats = {"klcov_frac": masked_mean(in_kl.to(ratio.dtype), mask),
              **_ratio_stats(ratio, log_ratio, mask)}
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def kl_penalty_policy_loss(logp, old_logp, advantages, mask, kl_penalty_beta=1.0, agg="token-mean",
-                           num_tokens=None, num_seqs=None, norm_const=None, *, weights=None):
+def kl_penalty_policy_loss(logp, old_logp, advantages, mask, kl_penalty_beta=1.0,
+                           agg="token-mean"):
     """PPO's KL-penalised surrogate, the alternative to clipping in the PPO paper (Schulman et al.
     2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347, eq. 8, with a fixed
     coefficient), as a loss to minimise:
@@ -767,9 +778,8 @@ def kl_penalty_policy_loss(logp, old_logp, advantages, mask, kl_penalty_beta=1.0
     the ratio near 1. The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp,
     as in `policy_loss`.
 
-    logp, old_logp, advantages, mask: [B, T] as in `policy_loss`. kl_penalty_beta >= 0. agg,
-    num_tokens, num_seqs, norm_const: see `aggregate`. weights: None, or [B, T] detached per-token
-    weights, as in `policy_loss`.
+    logp, old_logp, advantages, mask: [B, T] as in `policy_loss`. kl_penalty_beta >= 0. agg: as in
+    `policy_loss` (an `Aggregation` with its weights, or a mode name).
     Returns (loss: 0-dim, stats: dict of detached 0-dim tensors, masked token means over local
     tokens): approx_kl, ratio_mean, ratio_max_dev as in `policy_loss` (no clipfrac: nothing is
     clipped), and
@@ -785,11 +795,8 @@ def kl_penalty_policy_loss(logp, old_logp, advantages, mask, kl_penalty_beta=1.0
     kl = ratio - 1 - log_ratio
     # L_t = -r_t A_t + beta KL_t
     pg_losses = -ratio * advantages + kl_penalty_beta * kl
-    if weights is not None:
-        # L_t = w_t L^KLPEN_t, w_t detached (an off-policy correction's, as in policy_loss)
-        pg_losses = pg_losses * weights
-    loss = aggregate(pg_losses, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    # L = aggregate(w_t L_t): agg's weights (an off-policy correction's) times each token's term
+    loss = aggregate(pg_losses, mask, agg)
     stats = {"kl_penalty": masked_mean(kl, mask), **_ratio_stats(ratio, log_ratio, mask)}
     return loss, {k: v.detach() for k, v in stats.items()}
 
@@ -814,13 +821,12 @@ does not name it, is chosen."""
 POLICY_LOSS_KINDS = tuple(POLICY_LOSSES)
 
 
-def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean",
-               num_tokens=None, num_seqs=None, norm_const=None):
+def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean"):
     """Clipped value loss (as in OpenAI baselines ppo2 / TRL).
 
     values: [B, T] current predictions (with grad); old_values: [B, T] at sampling time; returns:
     [B, T] targets; mask: [B, T]. clip: max move of values away from old_values, None = plain
-    squared error.
+    squared error. agg: an `Aggregation` (or a mode name), as for the policy losses.
     Returns (loss: 0-dim, stats): clipfrac (fraction of real tokens where the clipped branch is
     strictly larger), values_mean (masked mean of values); both detached 0-dim tensors.
     """
@@ -840,8 +846,7 @@ def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean",
         clipfrac = masked_mean(clipped.to(values.dtype), mask)
     # L^V = 1/2 max((V - R)^2, (V_clip - R)^2)
     loss_mat = 0.5 * vf_losses
-    loss = aggregate(loss_mat, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     norm_const=norm_const)
+    loss = aggregate(loss_mat, mask, agg)
     stats = {"clipfrac": clipfrac.detach(), "values_mean": masked_mean(values, mask).detach()}
     return loss, stats
 
@@ -1024,12 +1029,11 @@ def off_policy_weights(old_logp, behav_logp, mask, correction="tis", cap=2.0, ba
 
 def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correction="tis", cap=2.0,
                            band=(0.5, 5.0), mask_level="token", clip_low=0.2, clip_high=0.2,
-                           dual_clip=None, agg="token-mean", num_tokens=None, num_seqs=None,
-                           norm_const=None):
+                           dual_clip=None, agg="token-mean"):
     """The PPO clipped surrogate on tokens sampled by a behaviour policy mu != pi_old, each token's
     loss times a detached off-policy weight w_t built from k_t = pi_old(y_t) / mu(y_t):
-    `off_policy_weights`, then `policy_loss` with weights=w (the training loop does the same for any
-    token-level policy_loss_kind):
+    `off_policy_weights`, then `policy_loss` with them as agg's weights (the training loop does the
+    same for any token-level policy_loss_kind):
 
       L_t = w_t max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),
       r_t = pi_theta(y_t) / pi_old(y_t)
@@ -1052,8 +1056,8 @@ def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correct
     advantages, mask: [B, T]. cap: C for "tis" (>= 1) and "decoupled" (None or >= 1); band:
     (low, high) and mask_level ("token" | "sequence") for "icepop" (see `off_policy_mask`; the
     default band is the Ring-1T paper's [0.5, 5]).
-    clip_low, clip_high, dual_clip: as in `policy_loss`; agg, num_tokens, num_seqs, norm_const: see
-    `aggregate`.
+    clip_low, clip_high, dual_clip: as in `policy_loss`; agg: an `Aggregation` or a mode name, its
+    weights replaced by the correction's.
     Dropped tokens (w_t = 0) still count in the denominators of `aggregate`: they add a zero loss,
     as in AReaL's loss. With behav_logp == old_logp every k_t is exactly 1, and the loss, its
     gradient and policy_loss's stats equal `policy_loss`'s bit for bit, for every correction.
@@ -1073,8 +1077,8 @@ def policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, correct
                                                    band, mask_level)
     # L_t = w_t L^CLIP_t: policy_loss's one clipped surrogate, each token's loss times its detached
     # weight
-    loss, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg,
-                              num_tokens, num_seqs, norm_const, weights=weights)
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip,
+                              replace(as_aggregation(agg), weights=weights))
     stats.update({k: v.detach() for k, v in correction_stats.items()})
     return loss, stats
 

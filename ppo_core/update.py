@@ -286,7 +286,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, minibatch: Minibatch, 
     # add up to the minibatch's loss (and their gradients to its gradient).
     counts = dist.all_reduce_sum(torch.stack([mask_mb.sum(),
                                               (mask_mb.sum(-1) > 0).sum().float()]))  # [2]
-    agg = dict(agg=cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
+    agg = algo.Aggregation(cfg.loss_agg, num_tokens=counts[0], num_seqs=counts[1])
     sums = {}  # name -> float64 0-dim tensor, on the device of the losses added in
     zero = torch.zeros((), device=device)
     first_ratio_dev, max_ratio_dev, max_gap = None, zero, zero
@@ -324,7 +324,7 @@ def minibatch_gradients(policy, critic, rollout: Rollout, minibatch: Minibatch, 
                     with autocast_off(device):
                         vf_loss, vf_stats = algo.value_loss(
                             values, batch.old_values, batch.returns, batch.response_mask,
-                            clip=cfg.value_clip or None, **agg)
+                            clip=cfg.value_clip or None, agg=agg)
                         vf_loss.backward()
             losses = {"policy/loss": pg_loss, "value/loss": vf_loss.detach(),
                       "policy/kl_loss": kl_loss}
@@ -407,7 +407,8 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
     fused_kernels: full logits, log_softmax + gather, then `objective` on them. Either way the loss
     trained is the one ppo_core.algo computes: an edit there is what every path trains.
     batch.packed: these rows packed (ppo_core.data.packing); the heads see what they see padded.
-    agg: algo.aggregate's agg and the minibatch's global num_tokens and num_seqs. A fresh batch
+    agg: an algo.Aggregation, cfg.loss_agg with the minibatch's global num_tokens and num_seqs; the
+    policy loss gets it with the off-policy correction's weights when there is one. A fresh batch
     (old_logprobs None, the first minibatch before any step: fresh_first_minibatch): log pi_old is
     the forward's own log-probs, detached (ratio exactly 1), and batch.old_logprobs and
     batch.entropy are set to what the forward computed."""
@@ -428,7 +429,6 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
     settings = algo.loss_settings(cfg.policy_loss_kind, cfg)
     kl_in_loss = not cfg.kl_in_reward
     want_entropy = cfg.entropy_coef != 0.0
-    counts = dict(num_tokens=agg["num_tokens"], num_seqs=agg["num_seqs"])
 
     def objective(logp, entropy, rows):
         """L = L^policy + beta KL - c_H H on the micro-batch's rows `rows`: logp, entropy [b, R]
@@ -437,19 +437,20 @@ def policy_objective(policy, batch: MicroBatch, cfg: PPOConfig, kl_coef, agg):
         mask = response_mask[rows]
         # a fresh batch: pi_old is the policy as it is
         old = logp.detach() if fresh else old_logprobs[rows]
-        loss, stats = policy_loss_fn(logp, old, advantages[rows], mask,
-                                     weights=None if off_weights is None else off_weights[rows],
-                                     **agg, **settings)
+        # L = aggregate(w_t L_t), with the off-policy correction's weights w_t when there are any
+        weighted = (agg if off_weights is None else
+                    dataclasses.replace(agg, weights=off_weights[rows]))
+        loss, stats = policy_loss_fn(logp, old, advantages[rows], mask, agg=weighted, **settings)
         if kl_in_loss:
             # L += beta * aggregate(KL_t): the KL to the reference as a loss term
             # (cfg.kl_in_reward = False)
             kl_term = algo.aggregate(algo.kl_estimate(logp, ref_logprobs[rows], cfg.kl_loss_kind),
-                                     mask, agg["agg"], **counts)
+                                     mask, agg)
             loss = loss + kl_coef * kl_term
             stats["kl_loss"] = kl_term.detach()
         if want_entropy:
             # L = L^CLIP - c_H * H: the bonus keeps the policy from collapsing early
-            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, mask, agg["agg"], **counts)
+            loss = loss - cfg.entropy_coef * algo.aggregate(entropy, mask, agg)
             stats["entropy"] = algo.masked_mean(entropy.detach(), mask)
         return loss, stats
 

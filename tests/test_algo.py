@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ppo_core.algo import (
-    K3_CLAMP, LOG_RATIO_CLAMP, AdaptiveKLController, FixedKLController, aggregate, discounted_returns,
+    K3_CLAMP, LOG_RATIO_CLAMP, AdaptiveKLController, Aggregation, FixedKLController, aggregate, discounted_returns,
     explained_variance, gae, group_advantages, gspo_policy_loss, kl_estimate, masked_mean, masked_var, masked_whiten,
     normalize_scores, overlong_penalty, per_token_rewards, policy_loss, value_loss, varied_groups,
 )
@@ -183,10 +183,29 @@ AGG_MASK = [[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
 ])
 def test_aggregate_hand_worked(mode, kwargs, expected):
     loss = t64(AGG_LOSS).requires_grad_(True)
-    out = aggregate(loss, t64(AGG_MASK), mode, **kwargs)
+    out = aggregate(loss, t64(AGG_MASK), Aggregation(mode, **kwargs))
     close(out, expected, tol=1e-15)
     out.backward()
     assert torch.all(loss.grad[t64(AGG_MASK) == 0] == 0)
+
+
+def test_aggregate_weights_multiply_each_token_and_keep_the_denominators():
+    # AGG_LOSS rows [1, 2, ., 4] (n 3), empty, [9] (n 1); weights [2, 0, ., 1] and [0.5]:
+    # token-mean (2 + 0 + 4 + 4.5) / 4; seq-mean-token-mean ((2 + 0 + 4) / 3 + 4.5) / 2
+    weights = t64([[2, 0, 7, 1], [3, 3, 3, 3], [0.5, 7, 7, 7]])
+    loss = t64(AGG_LOSS).requires_grad_(True)
+    out = aggregate(loss, t64(AGG_MASK), Aggregation("token-mean", weights=weights))
+    close(out, (2 + 0 + 4 + 4.5) / 4, tol=1e-15)
+    out.backward()
+    close(loss.grad, weights * t64(AGG_MASK) / 4, tol=0)
+    close(aggregate(t64(AGG_LOSS), t64(AGG_MASK), Aggregation("seq-mean-token-mean", weights=weights)),
+          ((2 + 0 + 4) / 3 + 4.5) / 2, tol=1e-15)
+    # a mode name alone is Aggregation(mode); weights of 1 are the unweighted loss, bit for bit
+    for mode in AGG_MODES:
+        plain = aggregate(t64(AGG_LOSS), t64(AGG_MASK), mode)
+        assert torch.equal(plain, aggregate(t64(AGG_LOSS), t64(AGG_MASK), Aggregation(mode)))
+        ones = Aggregation(mode, weights=torch.ones(3, 4, dtype=F64))
+        assert torch.equal(plain, aggregate(t64(AGG_LOSS), t64(AGG_MASK), ones))
 
 
 def test_aggregate_token_mean_gradient():
@@ -211,7 +230,7 @@ def test_aggregate_microbatches_with_global_counts_sum_to_full_batch(mode):
     loss = torch.randn(6, 8, generator=g, dtype=F64)
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
     full = aggregate(loss, mask, mode)
-    parts = sum(aggregate(loss[i:i + 3], mask[i:i + 3], mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    parts = sum(aggregate(loss[i:i + 3], mask[i:i + 3], Aggregation(mode, num_tokens=num_tokens, num_seqs=num_seqs))
                 for i in (0, 3))
     close(parts, full)
 
@@ -328,7 +347,7 @@ def test_policy_loss_passes_aggregation_through():
     # ratio 1: per-token loss = -A; rows: [-1, -2] (n 2) and [-4] (n 1)
     args = ([[0.0, 0.0], [0.0, 0.0]], [[1.0, 2.0], [4.0, 9.0]], [[1, 1], [1, 0]])
     close(run_policy_loss(*args, agg="seq-mean-token-mean")[0], (-1.5 - 4) / 2, tol=0)
-    close(run_policy_loss(*args, agg="seq-mean-token-sum", num_seqs=4)[0], (-3 - 4) / 4, tol=0)
+    close(run_policy_loss(*args, agg=Aggregation("seq-mean-token-sum", num_seqs=4))[0], (-3 - 4) / 4, tol=0)
 
 
 # ---------------------------------------------------------------- GSPO
@@ -433,7 +452,7 @@ def test_gspo_microbatches_with_global_num_seqs_sum_to_full_batch():
     full, _ = gspo_policy_loss(log_ratio, zeros, advantages, mask, 0.1, 0.1)
     num_seqs = (mask.sum(-1) > 0).sum()
     parts = sum(gspo_policy_loss(log_ratio[i:i + 3], zeros[i:i + 3], advantages[i:i + 3], mask[i:i + 3], 0.1, 0.1,
-                                 num_seqs=num_seqs)[0] for i in (0, 3))
+                                 agg=Aggregation(num_seqs=num_seqs))[0] for i in (0, 3))
     close(parts, full, tol=1e-15)
 
 

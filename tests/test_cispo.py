@@ -135,8 +135,8 @@ def test_matches_a_python_loop_value_and_gradient(agg, clip_low, clip_high, weig
     logp = (old_logp + 0.4 * torch.randn(4, 6, generator=g, dtype=F64)).requires_grad_(True)
     advantages = torch.randn(4, 6, generator=g, dtype=F64)
     weights = torch.rand(4, 6, generator=g, dtype=F64) * 2 * mask if weighted else None
-    loss, stats = algo.cispo_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg=agg,
-                                         weights=weights)
+    loss, stats = algo.cispo_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high,
+                                         agg=algo.Aggregation(agg, weights=weights))
     (grad,) = torch.autograd.grad(loss, logp)
     logp_ref = logp.detach().clone().requires_grad_(True)
     python_cispo_loss(logp_ref, old_logp, advantages, mask, clip_low, clip_high, agg, weights).backward()
@@ -156,14 +156,14 @@ def test_unit_weights_are_the_unweighted_loss_bit_for_bit(loss_fn):
     for agg in AGG_MODES:
         a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
         loss_a, stats_a = loss_fn(a, old_logp, advantages, mask, agg=agg)
-        loss_b, stats_b = loss_fn(b, old_logp, advantages, mask, agg=agg, weights=torch.ones_like(mask))
+        loss_b, stats_b = loss_fn(b, old_logp, advantages, mask, agg=algo.Aggregation(agg, weights=torch.ones_like(mask)))
         loss_a.backward(), loss_b.backward()
         assert torch.equal(loss_a, loss_b) and torch.equal(a.grad, b.grad)
         assert stats_a.keys() == stats_b.keys() and all(torch.equal(stats_a[k], stats_b[k]) for k in stats_a)
     behav_logp = old_logp + 0.3 * torch.randn_like(old_logp)
     weights, _ = algo.off_policy_weights(old_logp, behav_logp, mask, "tis", cap=1.5)
     off_loss, _ = algo.policy_loss_off_policy(logp, old_logp, behav_logp, advantages, mask, "tis", cap=1.5)
-    assert torch.equal(off_loss, algo.policy_loss(logp, old_logp, advantages, mask, weights=weights)[0])
+    assert torch.equal(off_loss, algo.policy_loss(logp, old_logp, advantages, mask, agg=algo.Aggregation(weights=weights))[0])
 
 
 def test_one_place_chooses_a_kind():
@@ -188,7 +188,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="dual_clip"):
         algo.cispo_policy_loss(logp, old_logp, advantages, mask, dual_clip=3.0)
     with pytest.raises(ValueError, match="dual_clip and weights"):
-        algo.gspo_policy_loss(logp, old_logp, advantages, mask, weights=torch.ones_like(mask))
+        algo.gspo_policy_loss(logp, old_logp, advantages, mask, agg=algo.Aggregation(weights=torch.ones_like(mask)))
 
 
 # ---------------------------------------------------------------- the edges of the band
@@ -335,7 +335,7 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     ref = old + 0.1 * torch.randn(old.shape, generator=gen) * rm
     behav = old + 0.3 * torch.randn(old.shape, generator=gen) * rm
     adv = torch.randn(old.shape, generator=gen) * rm
-    agg = dict(agg="seq-mean-token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(6.0))
+    agg = algo.Aggregation("seq-mean-token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(6.0))
     knobs = {"policy_loss_kind": "cispo", "clip_high": "0.1", "entropy_coef": "0.05", "kl_in_reward": "false",
              "off_policy_correction": "tis", "off_policy_cap": "1.2", "old_logprobs_from_rollout": "false", **sizes}
     results = {}

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import ppo_core.train as train
+from ppo_core import algo
 from ppo_core.config import build_config
 from ppo_core.models.model import load_model
 from ppo_core.models.precision import loss_paths
@@ -317,7 +318,7 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     old = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach() - 0.05 * rm  # a ratio != 1
     ref = old + 0.1 * torch.randn(old.shape, generator=gen) * rm
     adv = torch.randn(old.shape, generator=gen) * rm
-    agg = dict(agg="seq-mean-token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(6.0))
+    agg = algo.Aggregation("seq-mean-token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(6.0))
     results = []
     for fused in ("true", "false"):
         cfg = build_config({}, {**knobs, "fused_kernels": fused, "rollout_batch_size": "6", "minibatch_size": "6",
@@ -347,7 +348,6 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     kernels are wrapped to record their calls in one policy_objective, and the line names exactly those (or the
     reference)."""
     import ppo_kernels
-    from ppo_core import algo
 
     calls = []
     for name in ("linear_logprob_loss", "linear_token_logprobs"):
@@ -358,7 +358,7 @@ def test_the_loss_path_line_names_what_the_policy_objective_runs(monkeypatch, kn
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 9, 8, 7]])
     am, rm = torch.ones_like(ids, dtype=torch.bool), torch.ones(2, 3)
     zeros = torch.zeros(2, 3)
-    agg = dict(agg="token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(2.0))
+    agg = algo.Aggregation("token-mean", num_tokens=rm.sum(), num_seqs=torch.tensor(2.0))
     policy_objective(policy, MicroBatch(input_ids=ids, attention_mask=am, response_mask=rm, prompt_len=2,
                                         old_logprobs=zeros, advantages=zeros + 1, ref_logprobs=zeros), cfg, 0.1, agg)
     line = loss_paths(cfg, "cpu")

@@ -356,8 +356,8 @@ def test_no_token_in_the_loss_gives_zero_gradients(mode, empty):
     zeros = torch.zeros(2, 6)
     policy_loss = algo.policy_loss_function("ppo")
     loss_fn = lambda logp, entropy, rows: policy_loss(  # noqa: E731
-        logp, zeros[rows], torch.randn(2, 6)[rows], zeros[rows], num_tokens=torch.tensor(5.0),
-        num_seqs=torch.tensor(2.0))
+        logp, zeros[rows], torch.randn(2, 6)[rows], zeros[rows],
+        agg=algo.Aggregation(num_tokens=torch.tensor(5.0), num_seqs=torch.tensor(2.0)))
     with autocast_if(mode):
         loss, *_ = linear_logprob_loss_torch(h.view(2, 6, 32), w, labels, loss_fn)
     loss.backward()

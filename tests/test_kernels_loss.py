@@ -115,17 +115,17 @@ def objective(kind, tokens, *, agg="token-mean", kl_coef=0.0, kl_kind="k3", entr
     - entropy_coef * aggregate(entropy) (stat entropy). tokens: (old_logp, advantages, mask, ref_logp) [B, T]."""
     old_logp, advantages, mask, ref_logp = tokens
     policy_loss = algo.policy_loss_function(kind)
-    counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+    agg = algo.Aggregation(agg, num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
 
     def loss_fn(logp, entropy, rows):
         m = mask[rows]
-        loss, stats = policy_loss(logp, old_logp[rows], advantages[rows], m, agg=agg, **counts, **settings)
+        loss, stats = policy_loss(logp, old_logp[rows], advantages[rows], m, agg=agg, **settings)
         if kl_coef:
-            kl = algo.aggregate(algo.kl_estimate(logp, ref_logp[rows], kl_kind), m, agg, **counts)
+            kl = algo.aggregate(algo.kl_estimate(logp, ref_logp[rows], kl_kind), m, agg)
             loss = loss + kl_coef * kl
             stats["kl_loss"] = kl.detach()
         if entropy_coef:
-            loss = loss - entropy_coef * algo.aggregate(entropy, m, agg, **counts)
+            loss = loss - entropy_coef * algo.aggregate(entropy, m, agg)
             stats["entropy"] = algo.masked_mean(entropy.detach(), m)
         return loss, stats
     return loss_fn

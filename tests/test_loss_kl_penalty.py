@@ -79,7 +79,7 @@ def test_against_a_float64_loop(agg, beta):
     logp, old_logp, advantages, mask = random_batch(0, token_advantages=True)
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * 2
     for w in (None, weights):
-        loss, grad, _ = loss_and_grad(logp, old_logp, advantages, mask, beta, agg=agg, weights=w)
+        loss, grad, _ = loss_and_grad(logp, old_logp, advantages, mask, beta, agg=algo.Aggregation(agg, weights=w))
         ref_loss, ref_grad = kl_penalty_loop(logp, old_logp, advantages, mask, beta, agg, w)
         assert abs(loss - ref_loss) <= TOL, (loss, ref_loss)
         assert (grad - t64(ref_grad)).abs().max().item() <= TOL
@@ -116,7 +116,8 @@ def test_the_fused_head_trains_the_same_loss(monkeypatch):
 
     def objective(logp, entropy, rows):
         return algo.kl_penalty_policy_loss(logp, old_logp[rows], advantages[rows], mask[rows], kl_penalty_beta=0.5,
-                                           num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum())
+                                           agg=algo.Aggregation(num_tokens=mask.sum(),
+                                                                num_seqs=(mask.sum(-1) > 0).sum()))
 
     monkeypatch.setattr(kernel_loss, "TORCH_LOSS_TILE_ELEMENTS", 2 * T * V)
     monkeypatch.setenv("PPO_KERNELS_BACKEND", "torch")

@@ -141,8 +141,8 @@ def test_sapo_against_a_float64_loop(agg, taus):
     logp, old_logp, advantages, mask = random_batch(0, token_advantages=True)
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * 2
     for w in (None, weights):
-        loss, grad, _ = loss_and_grad(algo.sapo_policy_loss, logp, old_logp, advantages, mask, *taus, agg=agg,
-                                      weights=w)
+        loss, grad, _ = loss_and_grad(algo.sapo_policy_loss, logp, old_logp, advantages, mask, *taus,
+                                      agg=algo.Aggregation(agg, weights=w))
         assert_close(loss, grad, *sapo_loop(logp, old_logp, advantages, mask, *taus, agg, w))
 
 
@@ -236,7 +236,7 @@ def test_gmpo_against_a_float64_loop(eps):
     assert 0.1 < stats["clipfrac"].item() < 0.9  # both branches of the min are exercised
     # rows split like micro-batches with the GLOBAL number of sequences: the parts sum to the whole
     parts = [loss_and_grad(algo.gmpo_policy_loss, logp[rows], old_logp[rows], advantages[rows], mask[rows], *eps,
-                           num_seqs=4)[:2] for rows in (slice(0, 2), slice(2, 5))]
+                           agg=algo.Aggregation(num_seqs=4))[:2] for rows in (slice(0, 2), slice(2, 5))]
     assert abs(sum(p[0] for p in parts) - loss) <= TOL
     assert torch.equal(torch.cat([p[1] for p in parts]), grad)
 
@@ -244,7 +244,7 @@ def test_gmpo_against_a_float64_loop(eps):
 def test_gmpo_edge_cases():
     logp, old_logp, advantages, mask = random_batch(4)
     with pytest.raises(ValueError, match="weights"):
-        algo.gmpo_policy_loss(logp, old_logp, advantages, mask, weights=torch.ones_like(mask))
+        algo.gmpo_policy_loss(logp, old_logp, advantages, mask, agg=algo.Aggregation(weights=torch.ones_like(mask)))
     with pytest.raises(ValueError, match="gmpo_clip_low"):
         algo.gmpo_policy_loss(logp, old_logp, advantages, mask, gmpo_clip_low=-0.1)
     loss, grad, stats = loss_and_grad(algo.gmpo_policy_loss, logp, old_logp, advantages, torch.zeros_like(mask))
@@ -315,8 +315,8 @@ def test_clip_cov_against_a_float64_loop(agg):
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(6), dtype=F64) * 2
     settings = dict(clip_low=0.2, clip_high=0.28, clip_cov_ratio=0.15, clip_cov_lb=0.3, clip_cov_ub=2.0)
     for w in (None, weights):
-        loss, grad, stats = loss_and_grad(algo.clip_cov_policy_loss, logp, old_logp, advantages, mask, agg=agg,
-                                          weights=w, **settings)
+        loss, grad, stats = loss_and_grad(algo.clip_cov_policy_loss, logp, old_logp, advantages, mask,
+                                          agg=algo.Aggregation(agg, weights=w), **settings)
         ref_loss, ref_grad, drawn_frac = clip_cov_loop(logp, old_logp, advantages, mask, *settings.values(), agg, w)
         assert_close(loss, grad, ref_loss, ref_grad)
         assert stats["clipcov_frac"].item() == pytest.approx(drawn_frac, abs=1e-15)
@@ -395,7 +395,7 @@ def test_kl_cov_against_a_float64_loop(agg):
     for ratio, coef in ((0.2, 1.0), (2e-3, 0.5)):
         for w in (None, weights):
             loss, grad, stats = loss_and_grad(algo.kl_cov_policy_loss, logp, old_logp, advantages, mask, ratio, coef,
-                                              agg=agg, weights=w)
+                                              agg=algo.Aggregation(agg, weights=w))
             ref_loss, ref_grad, frac = kl_cov_loop(logp, old_logp, advantages, mask, ratio, coef, agg, w)
             assert_close(loss, grad, ref_loss, ref_grad)
             assert stats["klcov_frac"].item() == pytest.approx(frac, abs=1e-15)
@@ -493,7 +493,9 @@ def test_the_fused_head_trains_the_same_loss(kind, monkeypatch):
 
     def objective(logp, entropy, rows):
         return algo.policy_loss_function(kind)(logp, old_logp[rows], advantages[rows], mask[rows],
-                                               num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum(), **settings)
+                                               agg=algo.Aggregation(num_tokens=mask.sum(),
+                                                                    num_seqs=(mask.sum(-1) > 0).sum()),
+                                               **settings)
 
     monkeypatch.setattr(kernel_loss, "TORCH_LOSS_TILE_ELEMENTS", 2 * T * V)
     monkeypatch.setenv("PPO_KERNELS_BACKEND", "torch")

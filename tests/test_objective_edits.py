@@ -6,6 +6,7 @@ edit a reader makes to the file itself changes what `ppo-train` trains, in one p
 
     python -m pytest -q tests/test_objective_edits.py
 """
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -37,15 +38,15 @@ def no_upper_clip(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2,
     return ORIGINAL_POLICY_LOSS(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=0.0, **kwargs)
 
 
-def sequence_sums(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg=None, **kwargs):
-    """Another aggregation: the seq-mean of token sums, whatever the config says."""
-    return ORIGINAL_POLICY_LOSS(logp, old_logp, advantages, mask, clip_low, clip_high, agg="seq-mean-token-sum",
-                                **kwargs)
+def sequence_sums(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg="token-mean", **kwargs):
+    """Another aggregation: the seq-mean of token sums, whatever the config says (the counts and weights kept)."""
+    agg = dataclasses.replace(algo.as_aggregation(agg), mode="seq-mean-token-sum")
+    return ORIGINAL_POLICY_LOSS(logp, old_logp, advantages, mask, clip_low, clip_high, agg=agg, **kwargs)
 
 
-def made_up(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, weights=None, agg=None,
-            num_tokens=None, num_seqs=None, norm_const=None):
+def made_up(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean"):
     """A loss no kernel could know: REINFORCE on A, a pull of logp towards -1, per-token weights honoured."""
+    weights, num_tokens = agg.weights, agg.num_tokens
     w = mask if weights is None else mask * weights
     ratio = torch.exp(logp - old_logp)
     loss = (-(advantages * logp) + 0.3 * (logp + 1.0) ** 2) * w
@@ -93,7 +94,7 @@ def gradients(r, path, fused):
                        old_logprobs=r["old"], advantages=r["adv"], ref_logprobs=r["ref"],
                        behav_logprobs=r["behav"] if path == "off_policy" else None,
                        packed=pack_rows(r["ids"], r["am"], r["P"]) if path == "packed" else None)
-    agg = dict(agg="token-mean", num_tokens=r["rm"].sum(), num_seqs=torch.tensor(6.0))
+    agg = algo.Aggregation("token-mean", num_tokens=r["rm"].sum(), num_seqs=torch.tensor(6.0))
     loss, _, _, _ = policy_objective(policy, batch, cfg, 0.1, agg)
     loss.backward()
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}

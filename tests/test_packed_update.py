@@ -6,6 +6,7 @@ so the two agree to float64 rounding."""
 import pytest
 import torch
 
+from ppo_core import algo
 from ppo_core.config import build_config
 from ppo_core.models.model import ModelArgs, ScoreModel
 from ppo_core.rollout import Sampled, rollout_forward
@@ -268,7 +269,7 @@ def test_one_autocast_region_per_pass_gives_the_bits_of_one_region_per_micro_bat
     # the update's gradients: a region per micro-batch, backward after it, the minibatch's global token count
     policy.zero_grad(set_to_none=True)
     mask = rollout.response_mask
-    agg = dict(agg=cfg.loss_agg, num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum().float())
+    agg = algo.Aggregation(cfg.loss_agg, num_tokens=mask.sum(), num_seqs=(mask.sum(-1) > 0).sum().float())
     for rows in chunks:
         with bf16_autocast():
             loss, *_ = policy_objective(policy, micro_batch(rollout, rows, packed=True), cfg, 0.05, agg)

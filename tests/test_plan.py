@@ -537,13 +537,15 @@ def _batch(M, P, R, V, seed=0):
 def _policy_loss(policy, batch, P, packed=None):
     ids, am, rm, old_logprobs, advantages, _ = batch
     logprobs, _ = response_logprobs(policy, ids, am, rm, P, 1.0, True, packed=packed)
-    return algo.policy_loss(logprobs, old_logprobs, advantages, rm, num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids)))[0]
+    return algo.policy_loss(logprobs, old_logprobs, advantages, rm,
+                            agg=algo.Aggregation(num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids))))[0]
 
 
 def _value_loss(critic, batch, P, packed=None):
     ids, am, rm, old_values, _, returns = batch
     values = response_values(critic, ids, am, P, packed)
-    return algo.value_loss(values, old_values, returns, rm, num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids)))[0]
+    return algo.value_loss(values, old_values, returns, rm,
+                           agg=algo.Aggregation(num_tokens=rm.sum(), num_seqs=torch.tensor(len(ids))))[0]
 
 
 def measure(policy, critic, M, P, R, rss=False, packed=False) -> dict:

@@ -170,10 +170,10 @@ def exercise_wrappers():
 
                 def loss_fn(logp, entropy, rows, mask=mask, old=old, adv=adv, entropy_coef=entropy_coef):
                     value, stats = algo.policy_loss(logp, old[rows], adv[rows], mask[rows], dual_clip=3.0,
-                                                    num_tokens=mask.sum())
+                                                    agg=algo.Aggregation(num_tokens=mask.sum()))
                     if entropy_coef:
-                        value = value - entropy_coef * algo.aggregate(entropy, mask[rows], "token-mean",
-                                                                      num_tokens=mask.sum())
+                        value = value - entropy_coef * algo.aggregate(entropy, mask[rows],
+                                                                      algo.Aggregation(num_tokens=mask.sum()))
                     return value, stats
                 with amp:
                     loss_value, *_ = loss.linear_logprob_loss_triton(
