@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ppo_core
-from ppo_core.engine.rollout_engine import RolloutEngine, row_bucket, shared_prefix_groups
+from ppo_core.engine.rollout_engine import PoolLayout, RolloutEngine, row_bucket, shared_prefix_groups
 from ppo_core.engine.generate import counter_uniforms
 from ppo_core.engine.kv_blocks import BlockPool, prefix_key
 from ppo_core.engine.scheduler import Chunk, Scheduler, Sequence, Step
@@ -508,8 +508,8 @@ def test_only_steps_of_single_tokens_without_copies_are_decode_only():
     assert not decode_only(Step(0, [Chunk(seq, 2, 1, True)], [[], [(4, 7, 2)]]))  # a copy-on-write first
     assert [decode_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65, 256)] == [1, 2, 4, 8, 8, 16, 64, 128, 256]
     # more sequences than the buffers' rows (resumed multi-turn episodes may pass max_num_seqs): the dynamic step
-    static = StaticDecode(tiny("qwen3"), [], [None], [0] * 4, [0, 1, 2, 3], 4, [8], max_rows=3, max_len=20,
-                          device=torch.device("cpu"), cuda_graphs=False)
+    layout = PoolLayout([None], [0] * 4, [0, 1, 2, 3], block_size=4, n_blocks=[8], device=torch.device("cpu"))
+    static = StaticDecode(tiny("qwen3"), [], layout, max_rows=3, max_len=20, cuda_graphs=False)
     assert static.rows == 4 and static.tables.shape == (1, 4, 5)
     assert static.takes(Step(0, [Chunk(seq, 2, 1, True)] * 4, [[]]))
     assert not static.takes(Step(0, [Chunk(seq, 2, 1, True)] * 5, [[]]))

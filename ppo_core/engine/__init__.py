@@ -2,8 +2,8 @@
 its scheduler and block bookkeeping, the fixed-shape decode steps and their CUDA graphs, and the padded
 reference sampler (generate.py).
 
-    from ppo_core.engine import RolloutEngine
+    from ppo_core.engine import RolloutEngine, SamplingParams
 """
-from .rollout_engine import RolloutEngine
+from .rollout_engine import EngineSettings, RolloutEngine, SamplingParams
 
-__all__ = ["RolloutEngine"]
+__all__ = ["EngineSettings", "RolloutEngine", "SamplingParams"]

@@ -4,6 +4,12 @@
     responses = engine.generate([[1, 5, 9], [1, 7]], 64, temperature=1.0, eos_token_id=tok.eos_token_ids, seed=3)
     # -> one list of new token ids per prompt, ending at (and including) its first EOS
 
+The shape: generate adds the requests (a GenerateCall: one Sequence per prompt, each carrying the call's
+SamplingParams; the KV pool; the scheduler), then runs RolloutEngine.step until every sequence is done. A step is
+schedule (Scheduler.schedule picks what each sequence computes, StepBatch lays it out as one flat batch), run (the
+model over it, or StaticDecode's fixed buffers) and postprocess (sample, append, end the sequences and turns that
+are over).
+
 What it does differently from `ppo_core.generate` (the plain padded reference, which it must agree with):
 - The KV cache is a pool of fixed-size blocks (`block_size` positions of one sequence each, in every layer of a
   group), sized by a byte budget for the call and freed when it returns (the update gets the memory back, and a
@@ -41,6 +47,7 @@ import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -76,12 +83,13 @@ and 320 positions: 2.57 and 3.04, 5.10 and 5.82 against 2.48 and 4.69 ms a layer
 SmolLM2-135M, 64 sequences at ~300 positions: 292.7 ms against 387.7 (bench/decode_steps.py --one-gather)."""
 
 
-class RolloutEngine:
-    """Generation for a CausalLM (a policy with or without LoRA, a reference, a judge) over a paged KV cache.
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a RolloutEngine sizes and runs its calls (RolloutEngine(model, **settings) takes these by name).
 
     kv_cache_gb: the byte budget of the pool (None: CPU_KV_CACHE_GB on the CPU, GPU_FREE_MEMORY_FRACTION of the free
     memory on a GPU); a call allocates at most what all its sequences could hold at once.
-    block_size: positions per block (default 16).
+    block_size: positions per block (None: 16).
     max_num_seqs: sequences running at once at most; max_step_tokens: tokens computed in one step at most (prefill
     chunks; a decode token is never held back).
     cuda_graphs: on CUDA, replay each decode-only step as a CUDA graph, one per batch bucket, captured in the call
@@ -93,19 +101,71 @@ class RolloutEngine:
     saves at least this many bytes of gathered keys and values per layer (0: whenever blocks are shared).
     gather_at_once_bytes, gather_chunk_bytes: on the CPU, a decode step gathers the keys and values of all its
     sequences at once while they come to at most gather_at_once_bytes a layer, else the keys of as many sequences at
-    a time as fit in gather_chunk_bytes (at least one; None: always at once), as many values with them (defaults:
-    GATHER_AT_ONCE_BYTES, GATHER_CHUNK_BYTES)."""
+    a time as fit in gather_chunk_bytes (at least one; None: always at once), as many values with them."""
+    kv_cache_gb: float = None
+    block_size: int = None
+    max_num_seqs: int = 256
+    max_step_tokens: int = 4096
+    cuda_graphs: bool = True
+    static_decode: bool = None
+    shared_prefix_min_bytes: int = SHARED_PREFIX_MIN_BYTES
+    gather_at_once_bytes: int = GATHER_AT_ONCE_BYTES
+    gather_chunk_bytes: int = GATHER_CHUNK_BYTES
 
-    def __init__(self, model: CausalLM, *, kv_cache_gb=None, block_size=None, max_num_seqs=256, max_step_tokens=4096,
-                 cuda_graphs=True, static_decode=None, shared_prefix_min_bytes=SHARED_PREFIX_MIN_BYTES,
-                 gather_at_once_bytes=GATHER_AT_ONCE_BYTES, gather_chunk_bytes=GATHER_CHUNK_BYTES):
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the sequences of a generate call sample (RolloutEngine.generate takes these by name); each Sequence
+    carries its own (Sequence.params).
+
+    temperature, top_p, top_k, greedy: as ppo_core.generate samples. eos_token_id: an id, a list of ids, or None
+    (never stop early). seed: row r samples with counter_uniforms(seed, r, token index). return_logprobs: also the
+    log softmax(logits / temperature) of each chosen token before top-k/top-p; return_entropy (with it): the entropy
+    of that distribution. max_turn_tokens: a multi-turn episode's turn ends after this many sampled tokens (None:
+    at an EOS only)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    eos_token_id: object = None
+    seed: int = 0
+    return_logprobs: bool = False
+    return_entropy: bool = False
+    max_turn_tokens: int = None
+
+    @property
+    def stop_ids(self) -> set:
+        """The token ids that end a sequence (or a turn)."""
+        ids = self.eos_token_id
+        return set([] if ids is None else [int(i) for i in ids] if isinstance(ids, (list, tuple)) else [int(ids)])
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The KV pool of one generate call: its layer groups (RolloutEngine.layer_groups: each group's window, the group
+    of each layer and its index there), block_size, the blocks handed out per group (n_blocks; block n_blocks[g] is
+    group g's spare, where padding rows write), the model's key-value heads, and the pool's device and dtype."""
+    windows: list
+    group_of: list
+    index_in_group: list
+    block_size: int
+    n_blocks: list
+    n_kv_heads: int = 0
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+
+class RolloutEngine:
+    """Generation for a CausalLM (a policy with or without LoRA, a reference, a judge) over a paged KV cache.
+
+    RolloutEngine(model, **settings): the fields of EngineSettings, by name.
+    generate(prompts, max_new_tokens, **sampling) = add the requests (GenerateCall), then `step` (schedule, run,
+    postprocess) until every sequence is done."""
+
+    def __init__(self, model: CausalLM, **settings):
         self.model = model
-        self.kv_cache_gb = kv_cache_gb
-        self.block_size = block_size or 16
-        self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
-        self.cuda_graphs, self.static_decode = cuda_graphs, static_decode
-        self.shared_prefix_min_bytes = shared_prefix_min_bytes
-        self.gather_at_once_bytes, self.gather_chunk_bytes = gather_at_once_bytes, gather_chunk_bytes
+        self.settings = EngineSettings(**settings)
+        self.block_size = self.settings.block_size or 16
         self.stats = {}
 
     # -- the pool -------------------------------------------------------------------------------------------------
@@ -125,7 +185,7 @@ class RolloutEngine:
         a, bs = self.model.args, self.block_size
         per_block_layer = 2 * bs * a.num_key_value_heads * a.head_dim * torch.empty((), dtype=dtype).element_size()
         layers = [group_of.count(g) for g in range(len(windows))]
-        chunk_blocks = -(-min(self.max_step_tokens, max(lengths)) // bs) + 1
+        chunk_blocks = -(-min(self.settings.max_step_tokens, max(lengths)) // bs) + 1
 
         def need(length, window):  # blocks one sequence holds at most in a group
             full = -(-length // bs)
@@ -133,7 +193,7 @@ class RolloutEngine:
 
         one = [need(max(lengths), w) for w in windows]
         all_at_once = [sum(need(n, w) for n in lengths) for w in windows]
-        budget = self.kv_cache_gb
+        budget = self.settings.kv_cache_gb
         if budget is None:
             budget = (GPU_FREE_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda"
                       else CPU_KV_CACHE_GB)
@@ -146,17 +206,17 @@ class RolloutEngine:
     # -- generation -----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
-                 eos_token_id=None, seed=0, return_logprobs=False, return_entropy=False, rows=None,
-                 on_turn_end=None, max_turn_tokens=None, return_mask=False):
+    def generate(self, prompts, max_new_tokens, *, rows=None, on_turn_end=None, return_mask=False, **sampling):
         """Sample after each prompt (a list of token ids) up to max_new_tokens (an int, or one per prompt) new tokens.
+        sampling: the fields of SamplingParams, by name (temperature, top_p, top_k, greedy, eos_token_id, seed,
+        return_logprobs, return_entropy, max_turn_tokens).
 
         -> one list of new token ids per prompt, ending at its first EOS (included); with return_logprobs also the
         log softmax(logits / temperature) of each chosen token before top-k/top-p (as ppo_core.generate), and with
         return_entropy the entropy of that distribution: (tokens, logprobs[, entropy]), lists of lists.
-        eos_token_id: an id, a list of ids, or None (never stop early). seed and rows: row i samples with
-        counter_uniforms(seed, rows[i], token index); rows defaults to 0..len(prompts)-1 (a process holding rows
-        offset.. of a global batch passes their global numbers, and samples what one process would).
+        rows: row i samples with counter_uniforms(seed, rows[i], token index); rows defaults to 0..len(prompts)-1 (a
+        process holding rows offset.. of a global batch passes their global numbers, and samples what one process
+        would).
 
         Multi-turn episodes (ppo_core.agents.environments): on_turn_end(index, tokens after the prompt so far) is called when
         sequence `index` ends a turn (an EOS, or max_turn_tokens sampled in this turn) with room left in its
@@ -177,7 +237,31 @@ class RolloutEngine:
         graph_captures, graph_replays, graph_capture_s (seconds of warm-up and capture); with on_turn_end also turns,
         observation_tokens and busy_fraction (the share of the call's wall time spent in steps, not waiting on tools
         with nothing to decode)."""
-        model, device = self.model, next(self.model.parameters()).device
+        call = GenerateCall(self, prompts, max_new_tokens, rows, SamplingParams(**sampling), on_turn_end)
+        with call.packed_weights():
+            while not call.scheduler.done:
+                if call.waiting_on_tools():
+                    continue
+                self.step(call)
+        self.stats = call.accounting()
+        return call.results(return_mask)
+
+    def step(self, call):
+        """One step of a call: schedule, run, postprocess."""
+        step, batch = call.schedule()
+        logits, n_tokens = call.run(step, batch)
+        call.postprocess(step, batch, logits, n_tokens)
+
+
+class GenerateCall:
+    """One generate call's state: its requests (a Sequence per prompt, with the call's SamplingParams), the KV pool
+    and its layout, the scheduler, the decode-only steps' buffers (StaticDecode), the episodes waiting on tools, and
+    the accounting that becomes RolloutEngine.stats. Made by RolloutEngine.generate, which calls step() on it."""
+
+    def __init__(self, engine, prompts, max_new_tokens, rows, params, on_turn_end):
+        model, device = engine.model, next(engine.model.parameters()).device
+        settings = engine.settings
+        self.model, self.settings, self.params, self.on_turn_end = model, settings, params, on_turn_end
         n = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * n
         rows = list(range(n)) if rows is None else list(rows)
@@ -185,178 +269,221 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.generate: {n} prompts, {len(budgets)} max_new_tokens, {len(rows)} rows")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("RolloutEngine.generate: an empty prompt (every prompt needs at least one token)")
-        stop_ids = set([] if eos_token_id is None else
-                       [int(i) for i in eos_token_id] if isinstance(eos_token_id, (list, tuple)) else [int(eos_token_id)])
+        self.stop_ids = params.stop_ids
         if device.type == "cpu" and autocast_dtype("cpu"):
             cache_dtype = torch.float32  # CPU autocast attends in float32 (ppo_core.models.model.attention)
         else:
             cache_dtype = autocast_dtype(device.type) or next(model.parameters()).dtype
 
         lengths = [len(p) + m for p, m in zip(prompts, budgets)]
-        windows, group_of, index_in_group = self.layer_groups(max(lengths))
-        n_blocks, per_block_layer, layers = self.pool_sizes(lengths, windows, group_of, cache_dtype, device)
-        a, bs = model.args, self.block_size
+        windows, group_of, index_in_group = engine.layer_groups(max(lengths))
+        n_blocks, self.per_block_layer, self.layers = engine.pool_sizes(lengths, windows, group_of, cache_dtype,
+                                                                         device)
+        a, bs = model.args, engine.block_size
+        self.layout = PoolLayout(windows, group_of, index_in_group, bs, n_blocks, a.num_key_value_heads, device,
+                                 cache_dtype)
         # per group: keys, values [L_g, blocks + 1, block_size, nkv, hs]; the last block is never handed out: the
         # padding rows of a step (StepBatch, StaticDecode) write there
         pools = [(torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device),
                   torch.zeros(L, nb + 1, bs, a.num_key_value_heads, a.head_dim, dtype=cache_dtype, device=device))
-                 for L, nb in zip(layers, n_blocks)]
-        sched = Scheduler(n_blocks, bs, windows, self.max_num_seqs, self.max_step_tokens)
-        sequences = [Sequence(i, rows[i], list(p), len(p), budgets[i], turn_start=len(p)) for i, p in enumerate(prompts)]
-        for seq in sequences:
+                 for L, nb in zip(self.layers, n_blocks)]
+        self.scheduler = Scheduler(n_blocks, bs, windows, settings.max_num_seqs, settings.max_step_tokens)
+        self.sequences = [Sequence(i, rows[i], list(p), len(p), budgets[i], turn_start=len(p), params=params)
+                          for i, p in enumerate(prompts)]
+        for seq in self.sequences:  # add the requests
             if budgets[seq.index] > 0:
-                sched.add(seq)
-        stats = dict(computed_tokens=0, steps=0, shared_prefix_steps=0, peak_kv_bytes=0, kv_token_bytes_at_peak=0,
-                     sequences_at_peak=0,
-                     pool_bytes=sum(nb * L * per_block_layer for nb, L in zip(n_blocks, layers)))
-        no_graphs = graphs_unavailable(model, device, self.cuda_graphs)
-        static = None  # the decode-only steps' buffers and graphs, for this call (the pool's lifetime)
-        running_at_most = min(sum(1 for b in budgets if b > 0), self.max_num_seqs)
-        if (no_graphs is None if self.static_decode is None else self.static_decode) and running_at_most:
-            static = StaticDecode(model, pools, windows, group_of, index_in_group, bs, n_blocks, running_at_most,
-                                  max(lengths), device, cuda_graphs=no_graphs is None)
-        turns = dict(turns=0, observation_tokens=0, idle_s=0.0)
-        pending = {}  # Future -> the parked sequence it answers
-        started = time.perf_counter()
+                self.scheduler.add(seq)
+        self.stats = dict(computed_tokens=0, steps=0, shared_prefix_steps=0, peak_kv_bytes=0,
+                          kv_token_bytes_at_peak=0, sequences_at_peak=0,
+                          pool_bytes=sum(nb * L * self.per_block_layer for nb, L in zip(n_blocks, self.layers)))
+        self.no_graphs = graphs_unavailable(model, device, settings.cuda_graphs)
+        self.static = None  # the decode-only steps' buffers and graphs, for this call (the pool's lifetime)
+        running_at_most = min(sum(1 for b in budgets if b > 0), settings.max_num_seqs)
+        if (self.no_graphs is None if settings.static_decode is None else settings.static_decode) and running_at_most:
+            self.static = StaticDecode(model, pools, self.layout, running_at_most, max(lengths),
+                                       cuda_graphs=self.no_graphs is None)
+        self.turns = dict(turns=0, observation_tokens=0, idle_s=0.0)
+        self.pending = {}  # Future -> the parked sequence it answers
+        self.started = time.perf_counter()
+        self.scratch = Scratch()  # the gathered keys and values, reused by every layer and step of this call
+        self.layer_pools = [LayerPool(pools[g][0][i], pools[g][1][i]) for g, i in zip(group_of, index_in_group)]
+        self.n_prompts = n
 
-        def end_turn(seq):
-            """seq ended a turn with room left: ask on_turn_end what follows."""
-            turns["turns"] += 1
-            answer = on_turn_end(seq.index, seq.tokens[seq.prompt_len :])
-            if isinstance(answer, Future):
-                sched.park(seq)
-                pending[answer] = seq
-            else:
-                continue_episode(seq, answer, parked=False)
+    def packed_weights(self):
+        """On the CPU, float32 models multiply with oneDNN-packed weights for the duration of the call."""
+        packed = can_pack_for_cpu(self.model)
+        rows = min(self.n_prompts, self.settings.max_num_seqs)
+        return cpu_packed_linears(self.model, rows) if packed else nullcontext()
 
-        def continue_episode(seq, observation, parked):
-            room = seq.max_new - seq.generated
-            if observation is None or len(observation) >= room:  # over, or no room to answer the observation
-                if parked:
-                    sched.parked.remove(seq)
-                    sched.running.append(seq)
+    # -- the three parts of a step ----------------------------------------------------------------------------------
+
+    def schedule(self):
+        """-> (the step's chunks (Scheduler.schedule), its StepBatch, or None when the static buffers run it)."""
+        with profiled("engine.schedule"):
+            step = self.scheduler.schedule()
+            if not step.chunks:
+                raise RuntimeError("RolloutEngine: a step with nothing to compute (the pool cannot hold one "
+                                   "sequence's next chunk)")
+            if self.static is not None and self.static.takes(step):
+                return step, None
+            settings = self.settings
+            batch = StepBatch(step, self.layout, self.scratch,
+                              min_shared=settings.shared_prefix_min_bytes // self.per_block_layer
+                              * self.layout.block_size,
+                              gather_bytes=(settings.gather_at_once_bytes, settings.gather_chunk_bytes))
+            return step, batch
+
+    def run(self, step, batch):
+        """The model over the step -> (the logits [S, V] float32 of its S chunks that sample, positions computed)."""
+        sampling = [c for c in step.chunks if c.samples]
+        if batch is None:  # one token per chunk: row i of the logits is chunk i's
+            logits = self.static.run(step)  # [n, V] float32
+            if len(sampling) < len(step.chunks):  # (a one-token prefill chunk samples nothing)
+                sampling_rows = [i for i, c in enumerate(step.chunks) if c.samples]
+                logits = logits[torch.tensor(sampling_rows, device=self.layout.device)]  # [S, V]
+            return logits, len(step.chunks)
+        model = self.model
+        attend = lambda i, q, k, v: batch.attend(self.layer_pools, i, q, k, v)  # noqa: E731
+        hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
+                       return_hidden=True)  # [N + pad, H]
+        last = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
+        last = torch.cat([last, last.new_zeros(row_bucket(len(last), self.layout.device) - len(last))])
+        return model.lm_head(hidden[last])[: len(sampling)].float(), batch.n_tokens  # [S, V]
+
+    def postprocess(self, step, batch, logits, n_tokens):
+        """Sample each sampling chunk's next token, append it, and end the sequences (or turns) that are done."""
+        params, sched = self.params, self.scheduler
+        with profiled("engine.sampling"):
+            seqs = [c.seq for c in step.chunks if c.samples]
+            chosen, logprobs, entropy = sample(logits, seqs, params)
+        sched.after_step(step)
+        self.account(batch, n_tokens)
+        for i, seq in enumerate(seqs):
+            seq.tokens.append(chosen[i])
+            seq.mask.append(1)
+            if params.return_logprobs:
+                seq.logprobs.append(logprobs[i])
+                if params.return_entropy:
+                    seq.entropy.append(entropy[i])
+            if seq.generated >= seq.max_new:
                 sched.finish(seq)
-                return
-            turns["observation_tokens"] += len(observation)
-            if not parked:
-                sched.park(seq)
-            sched.resume(seq, list(observation))
-            if return_logprobs:
-                seq.logprobs += [0.0] * len(observation)
-                seq.entropy += [0.0] * len(observation) if return_entropy else []
+            elif self.on_turn_end is not None and (chosen[i] in self.stop_ids or (
+                    params.max_turn_tokens is not None
+                    and len(seq.tokens) - seq.turn_start >= params.max_turn_tokens)):
+                self.end_turn(seq)
+            elif chosen[i] in self.stop_ids:
+                sched.finish(seq)
 
-        def collect_answers(block):
-            """Resume the parked sequences whose futures are done (block: wait for at least one first)."""
-            if not pending:
-                return
-            if block:
-                t0 = time.perf_counter()
-                wait(list(pending), return_when=FIRST_COMPLETED)
-                turns["idle_s"] += time.perf_counter() - t0
-            for future in [f for f in pending if f.done()]:
-                continue_episode(pending.pop(future), future.result(), parked=True)
+    def account(self, batch, n_tokens):
+        stats, sched = self.stats, self.scheduler
+        stats["computed_tokens"] += n_tokens
+        stats["steps"] += 1
+        stats["shared_prefix_steps"] += batch is not None and batch.shared_prefix_groups > 0
+        used = sum(pool.n_used * L * self.per_block_layer for pool, L in zip(sched.pools, self.layers))
+        if used > stats["peak_kv_bytes"]:
+            stats["peak_kv_bytes"] = used
+            stats["kv_token_bytes_at_peak"] = sum(sched.held_tokens(g) * L * self.per_block_layer
+                                                  // self.layout.block_size for g, L in enumerate(self.layers))
+            stats["sequences_at_peak"] = len(sched.running)
 
-        scratch = Scratch()  # the gathered keys and values, reused by every layer and step of this call
-        layer_pools = [LayerPool(pools[g][0][i], pools[g][1][i]) for g, i in zip(group_of, index_in_group)]
-        packed = can_pack_for_cpu(model)
-        with cpu_packed_linears(model, min(n, self.max_num_seqs)) if packed else nullcontext():
-            while not sched.done:
-                collect_answers(block=not sched.running and not sched.waiting)
-                if not sched.running and not sched.waiting:
-                    continue
-                with profiled("engine.schedule"):
-                    step = sched.schedule()
-                    if not step.chunks:
-                        raise RuntimeError("RolloutEngine: a step with nothing to compute (the pool cannot hold one "
-                                           "sequence's next chunk)")
-                    static_step = static is not None and static.takes(step)
-                    if not static_step:
-                        batch = StepBatch(step, windows, group_of, index_in_group, bs, n_blocks,
-                                          a.num_key_value_heads, device, cache_dtype, scratch,
-                                          min_shared=self.shared_prefix_min_bytes // per_block_layer * bs,
-                                          gather_bytes=(self.gather_at_once_bytes, self.gather_chunk_bytes))
-                sampling = [c for c in step.chunks if c.samples]
-                if static_step:  # one token per chunk: row i of the logits is chunk i's
-                    logits = static.run(step)  # [n, V] float32
-                    if len(sampling) < len(step.chunks):  # (a one-token prefill chunk samples nothing)
-                        sampling_rows = [i for i, c in enumerate(step.chunks) if c.samples]
-                        logits = logits[torch.tensor(sampling_rows, device=device)]  # [S, V]
-                    n_tokens = len(step.chunks)
-                else:
-                    attend = lambda i, q, k, v: batch.attend(layer_pools, i, q, k, v)  # noqa: E731
-                    hidden = model(batch.input_ids, paged=(batch.positions, attend, batch.n_positions),
-                                   return_hidden=True)  # [N + pad, H]
-                    last = batch.last_rows(sampling)  # [S]; padded to a row bucket for the matmul, cut after it
-                    last = torch.cat([last, last.new_zeros(row_bucket(len(last), device) - len(last))])
-                    logits = model.lm_head(hidden[last])[: len(sampling)].float()  # [S, V]
-                    n_tokens = batch.n_tokens
-                with profiled("engine.sampling"):
-                    seqs = [c.seq for c in sampling]
-                    chosen, logprobs, entropy = sample(logits, seqs, seed, temperature, top_p, top_k, greedy,
-                                                       return_logprobs, return_entropy)
-                sched.after_step(step)
-                stats["computed_tokens"] += n_tokens
-                stats["steps"] += 1
-                stats["shared_prefix_steps"] += not static_step and batch.shared_prefix_groups > 0
-                used = sum(pool.n_used * L * per_block_layer for pool, L in zip(sched.pools, layers))
-                if used > stats["peak_kv_bytes"]:
-                    stats["peak_kv_bytes"] = used
-                    stats["kv_token_bytes_at_peak"] = sum(sched.held_tokens(g) * L * per_block_layer // bs
-                                                          for g, L in enumerate(layers))
-                    stats["sequences_at_peak"] = len(sched.running)
-                for i, seq in enumerate(seqs):
-                    seq.tokens.append(chosen[i])
-                    seq.mask.append(1)
-                    if return_logprobs:
-                        seq.logprobs.append(logprobs[i])
-                        if return_entropy:
-                            seq.entropy.append(entropy[i])
-                    if seq.generated >= seq.max_new:
-                        sched.finish(seq)
-                    elif on_turn_end is not None and (chosen[i] in stop_ids or (
-                            max_turn_tokens is not None and len(seq.tokens) - seq.turn_start >= max_turn_tokens)):
-                        end_turn(seq)
-                    elif chosen[i] in stop_ids:
-                        sched.finish(seq)
+    # -- multi-turn episodes ----------------------------------------------------------------------------------------
+
+    def waiting_on_tools(self) -> bool:
+        """Resume the episodes whose tools have answered (waiting for one when nothing else can run) -> True when
+        there is still nothing to schedule."""
+        sched = self.scheduler
+        self.collect_answers(block=not sched.running and not sched.waiting)
+        return not sched.running and not sched.waiting
+
+    def end_turn(self, seq):
+        """seq ended a turn with room left: ask on_turn_end what follows."""
+        self.turns["turns"] += 1
+        answer = self.on_turn_end(seq.index, seq.tokens[seq.prompt_len :])
+        if isinstance(answer, Future):
+            self.scheduler.park(seq)
+            self.pending[answer] = seq
+        else:
+            self.continue_episode(seq, answer, parked=False)
+
+    def continue_episode(self, seq, observation, parked):
+        sched = self.scheduler
+        room = seq.max_new - seq.generated
+        if observation is None or len(observation) >= room:  # over, or no room to answer the observation
+            if parked:
+                sched.parked.remove(seq)
+                sched.running.append(seq)
+            sched.finish(seq)
+            return
+        self.turns["observation_tokens"] += len(observation)
+        if not parked:
+            sched.park(seq)
+        sched.resume(seq, list(observation))
+        if self.params.return_logprobs:
+            seq.logprobs += [0.0] * len(observation)
+            seq.entropy += [0.0] * len(observation) if self.params.return_entropy else []
+
+    def collect_answers(self, block):
+        """Resume the parked sequences whose futures are done (block: wait for at least one first)."""
+        if not self.pending:
+            return
+        if block:
+            t0 = time.perf_counter()
+            wait(list(self.pending), return_when=FIRST_COMPLETED)
+            self.turns["idle_s"] += time.perf_counter() - t0
+        for future in [f for f in self.pending if f.done()]:
+            self.continue_episode(self.pending.pop(future), future.result(), parked=True)
+
+    # -- the results ------------------------------------------------------------------------------------------------
+
+    def accounting(self) -> dict:
+        """The call's stats (RolloutEngine.generate's docstring lists them)."""
+        stats, sched, static = dict(self.stats), self.scheduler, self.static
         stats.update(preemptions=sched.stats["preemptions"], prefix_hit_tokens=sched.stats["prefix_hit_tokens"],
-                     useful_tokens=sum(s.generated for s in sequences), block_size=bs, blocks=n_blocks)
+                     useful_tokens=sum(s.generated for s in self.sequences), block_size=self.layout.block_size,
+                     blocks=self.layout.n_blocks)
         stats.update(static.stats if static is not None else
                      dict(static_steps=0, graph_captures=0, graph_replays=0, graph_capture_s=0.0))
         if static is not None and static.cuda_graphs:
             stats["cuda_graphs"] = "on"
         else:
-            stats["cuda_graphs"] = "off: " + (static is not None and static.failure or no_graphs or (
-                "static_decode=False" if self.static_decode is False else "nothing to decode"))
-        if on_turn_end is not None:
-            wall = time.perf_counter() - started
-            stats.update(turns=turns["turns"], observation_tokens=turns["observation_tokens"],
-                         busy_fraction=1.0 - turns["idle_s"] / wall if wall > 0 else 1.0)
-        self.stats = stats
+            stats["cuda_graphs"] = "off: " + (static is not None and static.failure or self.no_graphs or (
+                "static_decode=False" if self.settings.static_decode is False else "nothing to decode"))
+        if self.on_turn_end is not None:
+            wall = time.perf_counter() - self.started
+            stats.update(turns=self.turns["turns"], observation_tokens=self.turns["observation_tokens"],
+                         busy_fraction=1.0 - self.turns["idle_s"] / wall if wall > 0 else 1.0)
+        return stats
+
+    def results(self, return_mask):
+        """RolloutEngine.generate's return value."""
+        sequences = self.sequences
         tokens = [s.tokens[s.prompt_len :] for s in sequences]
         out = (tokens,) + (([s.mask for s in sequences],) if return_mask else ())
-        if return_logprobs:
+        if self.params.return_logprobs:
             out += ([s.logprobs for s in sequences],)
-            if return_entropy:
+            if self.params.return_entropy:
                 out += ([s.entropy for s in sequences],)
         return out if len(out) > 1 else tokens
 
 
-def sample(logits, seqs, seed, temperature, top_p, top_k, greedy, return_logprobs, return_entropy):
+def sample(logits, seqs, params):
     """The next token of each sequence from logits [S, V] float32, as ppo_core.generate samples it, with the noise of
-    (seed, its row, its token index). -> (tokens, logprobs or None, entropy or None), lists of S Python numbers."""
-    if greedy:
+    (params.seed, its row, its token index). -> (tokens, logprobs or None, entropy or None), lists of S Python
+    numbers."""
+    temperature = params.temperature
+    if params.greedy:
         chosen = logits.argmax(-1)
     else:
         scaled = logits if temperature == 1.0 else logits / temperature  # (x / 1 is x: one pass over [S, V] saved)
-        probs = filter_logits(scaled, top_k, top_p).softmax(-1)
-        uniforms = counter_uniforms(seed, torch.tensor([s.row for s in seqs], device=logits.device),
+        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+        uniforms = counter_uniforms(params.seed, torch.tensor([s.row for s in seqs], device=logits.device),
                                     torch.tensor([s.generated for s in seqs], device=logits.device))
         chosen = sample_from_probs(probs, uniforms)
     logprobs = entropy = None
-    if return_logprobs:
-        lp = torch.log_softmax(logits if greedy or temperature == 1.0 else logits / temperature, -1)  # [S, V]
+    if params.return_logprobs:
+        lp = torch.log_softmax(logits if params.greedy or temperature == 1.0 else logits / temperature, -1)  # [S, V]
         logprobs = lp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-        if return_entropy:
+        if params.return_entropy:
             entropy = (-(lp.exp() * lp).sum(-1)).tolist()
     return chosen.tolist(), logprobs, entropy
 
@@ -456,8 +583,9 @@ class StepBatch:
     """One step's flat batch, and the index tensors and masks its attention needs (dtype: the cache's), built once
     per step on the host, for all layers; the gathered keys and values go into `scratch`'s buffers."""
 
-    def __init__(self, step, windows, group_of, index_in_group, block_size, n_blocks, n_kv_heads, device, dtype,
-                 scratch=None, min_shared=0, gather_bytes=(None, None)):
+    def __init__(self, step, layout: PoolLayout, scratch=None, min_shared=0, gather_bytes=(None, None)):
+        windows, group_of, index_in_group = layout.windows, layout.group_of, layout.index_in_group
+        n_blocks, device = layout.n_blocks, layout.device
         self.scratch = scratch if scratch is not None else Scratch()
         # RolloutEngine's gather_at_once_bytes, gather_chunk_bytes: how much the CPU decode gathers at a time
         self.gather_at_once_bytes, self.gather_chunk_bytes = gather_bytes
@@ -465,7 +593,7 @@ class StepBatch:
         self.autocast = autocast_dtype(device.type) is not None  # attention then runs with autocast off
         self.chunks, self.copies = step.chunks, step.copies
         self.windows, self.group_of, self.index_in_group = windows, group_of, index_in_group
-        bs, nkv = block_size, n_kv_heads
+        bs = layout.block_size
         ids, positions, self.starts = [], [], []
         for c in step.chunks:
             self.starts.append(len(ids))
@@ -480,7 +608,7 @@ class StepBatch:
         self.prefill_len = max((c.length for c in step.chunks[self.n_single :]), default=0)  # Tmax
         singles = step.chunks[: self.n_single]
         self.slots, self.tables, self.prefills = [], [], []
-        for g, window in enumerate(windows):
+        for g in range(len(windows)):
             # where each new token's key goes: block * block_size + offset, in group g's pool
             slots = [c.seq.tables[g][p // bs] * bs + p % bs for c in step.chunks for p in range(c.start, c.start + c.length)]
             slots += [n_blocks[g] * bs] * n_pad  # the spare block
@@ -489,23 +617,23 @@ class StepBatch:
             self.tables.append(torch.tensor([c.seq.tables[g] + [-1] * (width - len(c.seq.tables[g])) for c in singles],
                                             dtype=torch.int32, device=device).view(len(singles), width))  # [Bs, width]
             multi = list(zip(step.chunks[self.n_single :], self.starts[self.n_single :]))
-            self.prefills.append(self.prefill_batch(multi, g, window, bs, nkv, n_blocks[g] * bs, device, dtype)
-                                 if multi else None)
+            self.prefills.append(self.prefill_batch(multi, g, layout) if multi else None)
         self.seq_lens = torch.tensor([c.start + 1 for c in singles], dtype=torch.int32, device=device)  # [Bs]
         self.triton = backend(device) == "triton"
         self.shared_prefix_groups = 0  # groups of sequences whose shared prompt blocks a decode step attends to once
         if not self.triton and singles:  # the gathered path: what each single query sees, once for all layers
-            self.single_plans = [self.decode_plan(singles, g, window, bs, nkv, n_blocks[g] * bs, device, dtype,
-                                                  min_shared) for g, window in enumerate(windows)]
+            self.single_plans = [self.decode_plan(singles, g, layout, min_shared) for g in range(len(windows))]
             self.shared_prefix_groups = max(p["prefix"][1].shape[0] if p["prefix"] else 0 for p in self.single_plans)
 
     @staticmethod
-    def decode_plan(singles, g, window, bs, nkv, spare_slot, device, dtype, min_shared=0):
+    def decode_plan(singles, g, layout: PoolLayout, min_shared=0):
         """How the one-token sequences of a step attend in layer group g on the CPU, built once for all its layers:
         -> {"rows": the pool rows of each sequence's keys from its first block on ([Bs nkv T] rows of the pool seen
         as [slots x nkv, hs]), "bias": [Bs, 1, 1, T] (0 where visible, -inf elsewhere), "prefix": None or the shared
         prompt blocks of groups of sequences, attended once per group when that saves gathering at least min_shared
         positions (shared_prefix_groups)}."""
+        window, bs, nkv = layout.windows[g], layout.block_size, layout.n_kv_heads
+        spare_slot, device, dtype = layout.n_blocks[g] * bs, layout.device, layout.dtype
         lens = [c.start + 1 for c in singles]  # each sequence's visible length (its new token included)
         prefix = shared_prefix_groups(singles, g, bs, min_shared) if window is None else []
         first = [0] * len(singles)  # the first block each sequence gathers itself
@@ -554,10 +682,12 @@ class StepBatch:
         return plan
 
     @staticmethod
-    def prefill_batch(multi, g, window, bs, nkv, spare_slot, device, dtype):
+    def prefill_batch(multi, g, layout: PoolLayout):
         """The chunks of more than one token, as one batch for SDPA: (query rows [Bp Tmax] of the flat batch (0 on
         padding), which are real [Bp Tmax] bool, their flat rows [n real], key rows [Bp nkv Smax] of the pool seen
         as [slots x nkv, hs], a mask [Bp, 1, Tmax, Smax] or None for one chunk that is causal from position 0)."""
+        window, bs, nkv = layout.windows[g], layout.block_size, layout.n_kv_heads
+        spare_slot, device, dtype = layout.n_blocks[g] * bs, layout.device, layout.dtype
         first = [0 if window is None else max(0, c.start + 1 - window) // bs for c, _ in multi]  # first block seen
         keys = [[c.seq.tables[g][p // bs] * bs + p % bs for p in range(f * bs, c.start + c.length)]
                 for (c, _), f in zip(multi, first)]  # [S_c] slots each

@@ -43,6 +43,7 @@ class Sequence:
     entropy: list = field(default_factory=list)
     mask: list = field(default_factory=list)  # per token after the prompt: 1 sampled, 0 appended (an observation)
     turn_start: int = 0  # len(tokens) when its current turn began (multi-turn episodes)
+    params: object = None  # its SamplingParams (ppo_core.engine.rollout_engine), the call's
 
     @property
     def generated(self) -> int:

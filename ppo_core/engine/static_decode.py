@@ -1,7 +1,6 @@
 """The rollout engine's decode-only steps on fixed-shape buffers, and their CUDA graphs (one per batch bucket).
 
-    static = StaticDecode(model, pools, windows, group_of, index_in_group, block_size, n_blocks, max_rows=64,
-                          max_len=1024, device=device, cuda_graphs=True)
+    static = StaticDecode(model, pools, layout, max_rows=64, max_len=1024, cuda_graphs=True)  # a PoolLayout
     if static.takes(step):             # every chunk one token, no copy-on-write, at most the buffers' rows
         logits = static.run(step)      # [n chunks, V] float32, row i = chunk i's next-token logits
 
@@ -95,16 +94,16 @@ class StaticDecode:
     """The buffers of one generate call's decode-only steps, the step over them, and (cuda_graphs) its graphs.
 
     pools: per layer group (keys, values) [L_g, blocks + 1, block_size, nkv, hs] (the engine's; the last block is the
-    spare); windows, group_of, index_in_group: the engine's layer groups; n_blocks: per group the blocks handed out
-    (the spare block's number); max_rows: the most sequences a step usually holds (a step of more, which resumed
+    spare); layout: the call's ppo_core.engine.rollout_engine.PoolLayout (its layer groups, block_size, n_blocks: per
+    group the blocks handed out, the spare block's number; its device); max_rows: the most sequences a step usually holds (a step of more, which resumed
     multi-turn episodes can make, runs dynamically); max_len: the longest sequence of the call. `stats`:
     static_steps (steps run here), graph_captures, graph_replays, graph_capture_s (warm-up and capture, seconds)."""
 
-    def __init__(self, model, pools, windows, group_of, index_in_group, block_size, n_blocks, max_rows, max_len,
-                 device, cuda_graphs):
-        self.model, self.pools, self.device = model, pools, device
-        self.windows, self.group_of, self.index_in_group = windows, group_of, index_in_group
-        self.block_size, self.spare, self.max_len = block_size, list(n_blocks), max_len
+    def __init__(self, model, pools, layout, max_rows, max_len, cuda_graphs):
+        self.model, self.pools, self.device = model, pools, layout.device
+        self.windows, self.group_of, self.index_in_group = layout.windows, layout.group_of, layout.index_in_group
+        self.block_size, self.spare, self.max_len = layout.block_size, list(layout.n_blocks), max_len
+        windows, block_size, device = layout.windows, layout.block_size, layout.device
         self.width = -(-max_len // block_size)  # W
         self.rows = rows = decode_bucket(max_rows)  # R
         groups = len(windows)  # G
