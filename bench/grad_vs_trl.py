@@ -111,8 +111,8 @@ def make_batch(policy, tokenizer, hf_tokenizer, rows, cfg, seed, pool):
     n, k = cfg.rollout_batch_size, cfg.n_samples_per_prompt
     candidates = rows[:pool]
     t0 = time.perf_counter()
-    out = sample_responses(policy, tokenizer, [r for r in candidates for _ in range(k)], cfg,
-                           torch.Generator().manual_seed(seed))
+    out = sample_responses(policy, tokenizer, [r for r in candidates for _ in range(k)],
+                           Step(cfg, torch.Generator().manual_seed(seed)))
     tokens, mask, texts = out.tokens, out.response_mask, out.texts
     scores = last_number_reward(None, texts, [r["answer"] for r in candidates for _ in range(k)])
     scores = torch.tensor(scores).view(pool, k)  # [pool, k]

@@ -33,6 +33,7 @@ from ppo_core.data.prompts import load_rows  # noqa: E402
 from ppo_core.models.tokenizer import load_tokenizer  # noqa: E402
 from ppo_core.rewards.verifiers import last_number_reward  # noqa: E402
 from ppo_core.rollout import prompt_token_ids, sample_responses  # noqa: E402
+from ppo_core.run.start import Step  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(HERE), "configs", "grpo-smollm2-135m-addition.toml")
 
@@ -63,7 +64,7 @@ def row_stats(name, rows, texts, lengths, ended):
 def ppo_core_samples(policy, tokenizer, rows, cfg, samples, autocast):
     texts, lengths, ended = [], [], []
     for s in range(samples):
-        out = sample_responses(policy, tokenizer, rows, cfg, torch.Generator().manual_seed(1000 + s), autocast=autocast)
+        out = sample_responses(policy, tokenizer, rows, Step(cfg, torch.Generator().manual_seed(1000 + s), autocast))
         mask, t, e = out.response_mask, out.texts, out.ended
         texts += t
         lengths += mask.sum(-1).int().tolist()

@@ -269,8 +269,8 @@ def evaluate_rows(policy, tokenizer, prompts, reward_source, cfg, seed, greedy=F
             scores.append(played.scores)
             responses += played.responses
             continue
-        texts = sample_responses(policy, tokenizer, batch, cfg, generator, greedy=greedy,
-                                 autocast=autocast).texts
+        texts = sample_responses(policy, tokenizer, batch, Step(cfg, generator, autocast),
+                                 greedy=greedy).texts
         with autocast():
             scores.append(reward_source([prompt_text(r) for r in batch], texts,
                                         columns_of(batch))[0])
@@ -302,8 +302,8 @@ def with_reference_responses(rows, policy, reference, tokenizer, cfg, seed, auto
     model = policy if reference is policy else reference
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with lora.adapters_disabled(policy) if reference is policy else contextlib.nullcontext():
-        texts = sample_responses(model, tokenizer, [rows[i] for i in missing], cfg, generator,
-                                 autocast=autocast).texts
+        texts = sample_responses(model, tokenizer, [rows[i] for i in missing],
+                                 Step(cfg, generator, autocast)).texts
     out = list(rows)
     for i, text in zip(missing, texts):
         # a copy: a prompt file's row is drawn again in later passes
@@ -377,14 +377,13 @@ def sample_and_score(models: Models, step: Step, prompt_rows, pad_to, rows, enco
     rendering) and the rows' extra columns. Reads the models' policy, tokenizer and
     reward_source."""
     policy, tokenizer, reward_source = models.policy, models.tokenizer, models.reward_source
-    cfg, generator, autocast = step.cfg, step.generator, step.autocast
+    cfg, autocast = step.cfg, step.autocast
     policy.eval()
     if cfg.environment:
         return play_episodes(policy, tokenizer, prompt_rows, step, pad_to, rows)
     t0 = time.perf_counter()
-    out = sample_responses(policy, tokenizer, prompt_rows, cfg, generator, pad_to=pad_to, rows=rows,
-                           encoded=encoded, autocast=autocast,
-                           decode_logprobs=records_decode_logprobs(cfg))
+    out = sample_responses(policy, tokenizer, encoded or prompt_rows, step, pad_to=pad_to,
+                           rows=rows, decode_logprobs=records_decode_logprobs(cfg))
     # sample_responses ends with a host read of the tokens: nothing in flight
     generate_s = time.perf_counter() - t0
     texts = [prompt_text(r) for r in prompt_rows]
@@ -445,28 +444,27 @@ class Responses:
     decode_entropy: torch.Tensor | None = None  # [B, R] float32, likewise
 
 
-def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, pad_to=0,
-                     rows=None, encoded=None, autocast=contextlib.nullcontext,
+def sample_responses(policy, tokenizer, prompts, step: Step, greedy=False, pad_to=0, rows=None,
                      decode_logprobs=False) -> Responses:
-    """Generate one response per prompt -> Responses; with decode_logprobs also the decoding
-    pass's log-probs and entropy of the sampled tokens (0 after the response).
+    """Generate one response per prompt (a row, or its token ids when the caller has them
+    already) -> Responses; with decode_logprobs also the decoding pass's log-probs and entropy of
+    the sampled tokens (0 after the response). Reads step.cfg, step.generator and step.autocast
+    (the training passes' autocast, which decoding runs under:
+    docs/rollout.md#decoding-under-the-training-autocast).
 
     rows = (offset, global_batch): these prompts are rows offset.. of a batch of global_batch
     spread over processes; every row gets the same tokens whatever the number of processes
-    (docs/rollout.md#the-sampling-noise). encoded: the prompts' token ids, when the caller has
-    them already. autocast: the training passes' autocast, which decoding runs under
-    (docs/rollout.md#decoding-under-the-training-autocast)."""
+    (docs/rollout.md#the-sampling-noise)."""
+    cfg, generator, autocast = step.cfg, step.generator, step.autocast
     device = next(policy.parameters()).device
-    encoded = encoded or [p if isinstance(p, list) else prompt_token_ids(tokenizer, p, cfg)
-                          for p in prompts]
+    encoded = [p if isinstance(p, list) else prompt_token_ids(tokenizer, p, cfg) for p in prompts]
     prompt_ids, prompt_mask = encode_prompts(tokenizer, encoded, device, pad_to, cfg)
     # every stop token: the tokenizer's EOS and generation_config.json's
     eos = tokenizer.eos_token_ids
     # FSDP: full weights for the whole call, no collective per step
     with dist.gathered(policy), autocast():
         if cfg.rollout_engine == "paged":
-            out = engine_responses(policy, encoded, cfg, generator, greedy, eos,
-                                   tokenizer.pad_token_id, rows, decode_logprobs)
+            out = engine_responses(policy, tokenizer, encoded, step, greedy, rows, decode_logprobs)
         else:
             out = generate(policy, prompt_ids, cfg.max_new_tokens, attention_mask=prompt_mask,
                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -487,15 +485,16 @@ def sample_responses(policy, tokenizer, prompts, cfg, generator, greedy=False, p
                      *((out[1], out[2]) if decode_logprobs else ()))
 
 
-def engine_responses(policy, encoded, cfg, generator, greedy, eos, pad_token_id, rows,
-                     decode_logprobs):
+def engine_responses(policy, tokenizer, encoded, step: Step, greedy, rows, decode_logprobs):
     """sample_responses' decoding on the rollout engine (cfg.rollout_engine='paged'), returned as
     ppo_core.engine.generate returns it: tokens [B, max_new_tokens] (pad after a response), with
     decode_logprobs also (log-probs, entropy) [B, max_new_tokens] float32 (0 after it). The noise
     seed is the generator's initial seed (None: torch's default generator's), and the engine's
     noise a function of (seed, global row, token index) alone
     (docs/rollout.md#the-sampling-noise). rows = (offset, global batch) numbers these rows in the
-    global batch."""
+    global batch. Stops at every one of the tokenizer's EOS tokens, pads with its pad token."""
+    cfg, generator = step.cfg, step.generator
+    eos, pad_token_id = tokenizer.eos_token_ids, tokenizer.pad_token_id
     device = next(policy.parameters()).device
     engine = RolloutEngine(policy, kv_cache_gb=cfg.rollout_kv_cache_gb or None,
                            cuda_graphs=cfg.cuda_graph)

@@ -315,6 +315,7 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     from ppo_core.models.model import load_model
     from ppo_core.heads import response_logprobs
     from ppo_core.rollout import sample_responses
+    from ppo_core.run.start import Step
     from ppo_core.data.tasks import eval_prompts
     from ppo_core.models.tokenizer import load_tokenizer
     from ppo_core.update import MicroBatch, policy_objective
@@ -327,7 +328,7 @@ def test_fused_and_plain_policy_objectives_agree_and_the_line_names_them(monkeyp
     gen = torch.Generator().manual_seed(0)
     sizes = {"rollout_batch_size": "6", "minibatch_size": "6", "micro_batch_size": "6"}
     cfg0 = build_config({}, sizes)
-    out = sample_responses(policy, tok, eval_prompts(6, 0), cfg0, gen)
+    out = sample_responses(policy, tok, eval_prompts(6, 0), Step(cfg0, gen))
     prompt_ids, prompt_mask, tokens, rm = out.prompt_ids, out.prompt_mask, out.tokens, out.response_mask
     ids, am, P = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, rm.bool()], 1), prompt_ids.shape[1]
     logp = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach()

@@ -312,7 +312,7 @@ def test_fused_and_plain_policy_objectives_agree(knobs):
     gen = torch.Generator().manual_seed(0)
     prompts = eval_prompts(6, 0)
     cfg0 = build_config({}, {"rollout_batch_size": "6", "minibatch_size": "6", "micro_batch_size": "6"})
-    out = sample_responses(policy, tok, prompts, cfg0, gen)
+    out = sample_responses(policy, tok, prompts, Step(cfg0, gen))
     prompt_ids, prompt_mask, tokens, rm = out.prompt_ids, out.prompt_mask, out.tokens, out.response_mask
     ids, am, P = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, rm.bool()], 1), prompt_ids.shape[1]
     old = response_logprobs(policy, ids, am, rm, P, 1.0, False)[0].detach() - 0.05 * rm  # a ratio != 1
