@@ -33,6 +33,7 @@ None = the judge checkpoint's own <mode>.jinja when it has one (the tiny demo ju
 import math
 import os
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 
 import jinja2
@@ -231,9 +232,29 @@ def pairwise_reward(verdict_ab, verdict_ba, unparsed_score: float = 0.0, tie_sco
 
 # ---------------------------------------------------------------------------------------------------- the source
 
+@dataclass(frozen=True)
+class JudgeSettings:
+    """How a JudgeReward judges (JudgeReward(path, mode, **settings) takes these by name; JudgeReward's docstring
+    says what each does). The config's judge_* keys (ppo_core.rewards.source) map onto them."""
+    template: str = None
+    max_new_tokens: int = 1024
+    unparsed_score: float = 0.0
+    reference_column: str = "reference"
+    chat_template: bool = None
+    enable_thinking: bool = False
+    greedy: bool = True
+    temperature: float = 1.0
+    batch_size: int = 32
+    seed: int = 0
+    score_range: tuple = None
+    tie_score: float = 0.5
+    engine: str = "paged"
+
+
 class JudgeReward:
     """A generative judge as a reward source: scores, metrics = judge(prompts, responses, columns).
 
+    JudgeReward(path, mode, device="cpu", dtype=None, **settings), settings the fields of JudgeSettings:
     path: the judge checkpoint (any *ForCausalLM ppo-core loads, with its tokenizer); mode: "pointwise" or "pairwise";
     template: see resolve_template; max_new_tokens: the longest judgement (a rationale cut short has no verdict);
     unparsed_score: the reward of a judgement without a verdict (pairwise: of that order); tie_score: of one
@@ -252,9 +273,13 @@ class JudgeReward:
     "judge/rationale": list of B str, the full output (pairwise: both orders, each after its RATIONALE_HEADERS line).
     """
 
-    def __init__(self, path, mode, template=None, max_new_tokens=1024, unparsed_score=0.0, reference_column="reference",
-                 chat_template=None, enable_thinking=False, greedy=True, temperature=1.0, batch_size=32,
-                 device="cpu", dtype=None, seed=0, score_range=None, tie_score=0.5, engine="paged"):
+    def __init__(self, path, mode, device="cpu", dtype=None, **settings):
+        s = JudgeSettings(**settings)  # an unknown setting: a TypeError that names it
+        template, max_new_tokens, unparsed_score, tie_score = (s.template, s.max_new_tokens, s.unparsed_score,
+                                                               s.tie_score)
+        reference_column, chat_template, enable_thinking = s.reference_column, s.chat_template, s.enable_thinking
+        greedy, temperature, batch_size, seed = s.greedy, s.temperature, s.batch_size, s.seed
+        score_range, engine = s.score_range, s.engine
         from ..engine import RolloutEngine
         from ..engine.generate import generate
         from ..models.model import CheckpointError, load_model
