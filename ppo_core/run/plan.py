@@ -326,11 +326,32 @@ def forward_working_set(args: ModelArgs, rows, length, act=2, fp32=4, prefill=Fa
 
 # ---------------------------------------------------------------------------- the plan
 
-def plan(policy, critic="", reference="", reward_model="", teacher="", *, gpus=1, gpu_memory_gb=80.0, prompt_len=512,
-         response_len=1024, rollout_batch=64, micro_batch=4, micro_batch_tokens=0, lora_rank=0, sharding="none",
-         offload=False, activation_checkpointing=False, critic_free=False, rollout_engine="paged",
-         kv_cache_gb=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class PlanShape:
+    """The run a plan is for, beside its checkpoints (plan(policy, ..., **shape) takes these by name; ppo-plan's
+    flags of the same names): the machine (gpus, gpu_memory_gb, sharding, offload), the batch (prompt_len,
+    response_len, rollout_batch, micro_batch, micro_batch_tokens), the training (lora_rank,
+    activation_checkpointing, critic_free) and the rollout (rollout_engine, kv_cache_gb); `plan` says what each
+    means."""
+    gpus: int = 1
+    gpu_memory_gb: float = 80.0
+    prompt_len: int = 512
+    response_len: int = 1024
+    rollout_batch: int = 64
+    micro_batch: int = 4
+    micro_batch_tokens: int = 0
+    lora_rank: int = 0
+    sharding: str = "none"
+    offload: bool = False
+    activation_checkpointing: bool = False
+    critic_free: bool = False
+    rollout_engine: str = "paged"
+    kv_cache_gb: float = None
+
+
+def plan(policy, critic="", reference="", reward_model="", teacher="", **shape) -> dict:
     """The memory plan as a dict (what --json prints). Raises PlanError / CheckpointError on bad input.
+    shape: the fields of PlanShape, by name (an unknown one is a TypeError that names it).
 
     micro_batch_tokens > 0: packed micro-batches of at most that many real tokens (the run's micro_batch_tokens;
     micro_batch is then not read); the result's micro_batch is how many sequences of prompt_len + response_len
@@ -344,6 +365,12 @@ def plan(policy, critic="", reference="", reward_model="", teacher="", *, gpus=1
 
     teacher: on-policy distillation's teacher checkpoint (ppo-train --teacher): one more frozen CausalLM, held and
     run in the scoring pass like the reference."""
+    s = PlanShape(**shape)
+    gpus, gpu_memory_gb, sharding, offload = s.gpus, s.gpu_memory_gb, s.sharding, s.offload
+    prompt_len, response_len, rollout_batch = s.prompt_len, s.response_len, s.rollout_batch
+    micro_batch, micro_batch_tokens = s.micro_batch, s.micro_batch_tokens
+    lora_rank, activation_checkpointing, critic_free = s.lora_rank, s.activation_checkpointing, s.critic_free
+    rollout_engine, kv_cache_gb = s.rollout_engine, s.kv_cache_gb
     for name, value in (("gpus", gpus), ("prompt_len", prompt_len), ("response_len", response_len),
                         ("rollout_batch", rollout_batch), ("micro_batch", micro_batch)):
         if value < 1:
