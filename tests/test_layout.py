@@ -228,3 +228,22 @@ def test_the_researchers_files_keep_their_lines_within_100_columns():
             for i, line in enumerate(open(os.path.join(folder, f"{name}.py"), encoding="utf-8").read().split("\n"), 1)
             if len(line) > 100]
     assert not long, f"lines over 100 characters: {long[:10]}{' ...' if len(long) > 10 else ''}"
+
+
+def test_no_test_puts_bench_on_the_import_path():
+    """bench/kernels.py would shadow the PyPI package `kernels` that transformers imports: a test module that puts
+    bench/ on sys.path (at its collection, before any test runs) breaks every transformers test after it. A test
+    loads a bench script by its path (importlib.util.spec_from_file_location) instead."""
+    offenders = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "tests", name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("insert", "append") and "sys.path" in ast.unparse(node.func.value)
+                    and "bench" in ast.unparse(node)):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, offenders
+    assert os.path.isfile(os.path.join(ROOT, "bench", "kernels.py"))  # what makes the rule needed

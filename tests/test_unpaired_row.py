@@ -5,15 +5,19 @@ t_{0.975, 8} = 2.306004).
 
     python -m pytest -q tests/test_unpaired_row.py
 """
+import importlib.util
 import json
 import math
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import unpaired_row  # noqa: E402
+# loaded by its path: bench/ on sys.path would shadow the PyPI package `kernels` (bench/kernels.py), which
+# transformers imports, for every test after this module's collection
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+spec = importlib.util.spec_from_file_location("unpaired_row", os.path.join(ROOT, "bench", "unpaired_row.py"))
+unpaired_row = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(unpaired_row)
 
 
 def test_an_unresolved_difference_hand_worked():
