@@ -80,6 +80,7 @@ abandoned (the watch is kept by the requests waiting on it) and a new one takes 
 import base64
 import collections
 import contextlib
+import dataclasses
 import hmac
 import io
 import ipaddress
@@ -453,10 +454,24 @@ def authorized(header, api_key) -> bool:
     return hmac.compare_digest(value.strip().encode(), api_key.encode())
 
 
-def make_handler(source, batcher, name, api_key="", max_body_bytes=128 << 20, max_rows=16384, timeout_s=60.0,
-                 max_values=1 << 20, budget=None):
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (the module docstring's limits; make_server fills them from the
+    options): the API key it must present ("" none), its body's bytes, rows and decoded values at most, the seconds
+    it may take to arrive, and the Budget of bytes all requests in flight share (None: 4 bodies' worth)."""
+    api_key: str = ""
+    max_body_bytes: int = 128 << 20
+    max_rows: int = 16384
+    timeout_s: float = 60.0
+    max_values: int = 1 << 20
+    budget: object = None
+
+
+def make_handler(source, batcher, name, limits: Limits = Limits()):
     """The request handler: the limits of the module docstring, checked from the headers before a body is read."""
-    budget = budget or Budget(4 * max_body_bytes)
+    api_key, max_body_bytes, max_rows = limits.api_key, limits.max_body_bytes, limits.max_rows
+    timeout_s, max_values = limits.timeout_s, limits.max_values
+    budget = limits.budget or Budget(4 * max_body_bytes)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client may send many requests on one connection
@@ -629,9 +644,9 @@ def make_server(source, name, options, autocast=contextlib.nullcontext):
                                                                                     "score_timeout_s")}
     options = {**defaults, **options}
     batcher = Batcher(source, options["max_batch"], autocast, options["score_timeout_s"])
-    handler = make_handler(source, batcher, name, options["api_key"], int(options["max_body_mb"] * 2**20),
-                           options["max_rows"], options["timeout_s"], int(options["max_values"]),
-                           Budget(int(options["max_pending_mb"] * 2**20)))
+    limits = Limits(options["api_key"], int(options["max_body_mb"] * 2**20), options["max_rows"],
+                    options["timeout_s"], int(options["max_values"]), Budget(int(options["max_pending_mb"] * 2**20)))
+    handler = make_handler(source, batcher, name, limits)
     return Server((options["host"], options["port"]), handler, options["max_connections"])
 
 
