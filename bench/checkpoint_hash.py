@@ -82,7 +82,8 @@ def measure(name, parts, work, repeats):
         checkpoint.write_manifest = real_write_manifest if hashing else (lambda step_dir: None)
         try:
             t = time.perf_counter()
-            path = checkpoint.save_checkpoint(run, 1, generators=generators, keep=1, **parts)
+            path = checkpoint.save_checkpoint(run, 1, checkpoint.CheckpointParts(generators=generators, **parts),
+                                              keep=1)
             return time.perf_counter() - t, path
         finally:
             checkpoint.write_manifest = real_write_manifest

@@ -196,8 +196,9 @@ def check_checkpoint_rng(device):
 
     draws()  # states that are not the seeds' own
     with tempfile.TemporaryDirectory() as run:
-        path = checkpoint.save_checkpoint(run, 1, policy=model, critic=None, tokenizer=load_tokenizer(DEMO_CHECKPOINT),
-                                          policy_opt=opt, critic_opt=None, generators=generators, state={}, keep=1)
+        parts = checkpoint.CheckpointParts(policy=model, critic=None, tokenizer=load_tokenizer(DEMO_CHECKPOINT),
+                                           policy_opt=opt, critic_opt=None, generators=generators, state={})
+        path = checkpoint.save_checkpoint(run, 1, parts, keep=1)
         expected = draws()
         draws()
         checkpoint.load_training_state(path, policy=model, critic=None, policy_opt=opt, critic_opt=None,

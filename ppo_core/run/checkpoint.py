@@ -32,6 +32,7 @@ newest intact step resumed (never a silent restart); trainer_state.json must pas
 the optimizer moments must have the shapes of the parameters they belong to. A step saved before checkpoints carried
 a manifest (trainer_state.json without "manifest") is used unverified, with a line saying so.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -110,14 +111,31 @@ def set_numpy_rng_state(s):
     np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
-def save_checkpoint(run_path, step, *, policy, critic, tokenizer, policy_opt, critic_opt, generators: dict,
-                    state: dict, keep: int, write_hook=None, sharded=False):
-    """Write RUN/checkpoints/step-{step} atomically, point `latest` at it, prune to the newest `keep`.
+@dataclasses.dataclass
+class CheckpointParts:
+    """What a checkpoint holds: the models (critic None for a critic-free run), the tokenizer, their
+    optimizers, generators (name -> torch.Generator: their states go to rng.safetensors) and the
+    trainer's JSON-able state."""
+    policy: object
+    critic: object
+    tokenizer: object
+    policy_opt: object
+    critic_opt: object
+    generators: dict
+    state: dict
 
-    generators: name -> torch.Generator (their states go to rng.safetensors). state: JSON-able trainer
-    state. write_hook(name) is called between files (the tests use it to kill a save half way).
+
+def save_checkpoint(run_path, step, parts: CheckpointParts, *, keep: int, write_hook=None,
+                    sharded=False):
+    """Write RUN/checkpoints/step-{step} atomically with `parts`, point `latest` at it, prune to the
+    newest `keep`.
+
+    write_hook(name) is called between files (the tests use it to kill a save half way).
     sharded: FSDP models; every process calls this (the gathers and the sharded save are collective)
     and rank 0 writes the rest. Otherwise only rank 0 calls it. Returns the checkpoint's path."""
+    policy, critic, tokenizer = parts.policy, parts.critic, parts.tokenizer
+    policy_opt, critic_opt, generators, state = (parts.policy_opt, parts.critic_opt, parts.generators,
+                                                 parts.state)
     root = os.path.join(run_path, "checkpoints")
     name = f"step-{step}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")

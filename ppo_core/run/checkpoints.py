@@ -15,7 +15,7 @@ from ..config import PPOConfig
 from ..models import distributed as dist
 from ..rewards.remote import RewardUnavailable
 from . import checkpoint, runlog
-from .checkpoint import state_lists
+from .checkpoint import CheckpointParts, state_lists
 from .tracking import write_iteration_samples
 
 
@@ -130,10 +130,9 @@ class Checkpoints:
         """Write checkpoints/step-{step}: the models, optimizers, generators and RNGs, and `state`
         (ppo_core.run.checkpoint)."""
         opts, state = self.opts, self.state
-        return self.run_dir.save_checkpoint(
-            step, sharded=self.sharded, policy=self.policy, critic=self.critic,
-            tokenizer=self.tokenizer, policy_opt=opts.policy_opt, critic_opt=opts.critic_opt,
-            generators=self.generators,
+        return self.run_dir.save_checkpoint(step, CheckpointParts(
+            policy=self.policy, critic=self.critic, tokenizer=self.tokenizer,
+            policy_opt=opts.policy_opt, critic_opt=opts.critic_opt, generators=self.generators,
             state={"optimizer_step": opts.step_count, "skipped_updates": opts.skipped,
                    "kl_controller": self.kl_ctl.state_dict(),
                    "prompt_stream": self.stream.state_dict(),
@@ -145,8 +144,8 @@ class Checkpoints:
                    **({"pending_metrics": state["pending_metrics"]}
                       if "pending_metrics" in state else {}),
                    **({"pending_rollout": state_lists(state["pending_rollout"])}
-                      if "pending_rollout" in state else {})},
-            keep=self.cfg.keep_checkpoints)
+                      if "pending_rollout" in state else {})}),
+            sharded=self.sharded, keep=self.cfg.keep_checkpoints)
 
     def close(self):
         """The log and the trackers closed: the run ends here."""

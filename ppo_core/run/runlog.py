@@ -391,14 +391,15 @@ class RunDir:
         log when a torn end was dropped (truncate_jsonl), else None."""
         return truncate_jsonl(os.path.join(self.path, "metrics.jsonl"), step)
 
-    def save_checkpoint(self, step, sharded=False, **kwargs):
-        """Rank 0 saves; with sharded (FSDP) models every process takes part."""
+    def save_checkpoint(self, step, parts, sharded=False, **kwargs):
+        """checkpoint.save_checkpoint of `parts` (a CheckpointParts): rank 0 saves; with sharded (FSDP)
+        models every process takes part."""
         out = os.path.join(self.path, "checkpoints", f"step-{step}")
         if sharded:
-            return checkpoint.save_checkpoint(self.path, step, sharded=True, **kwargs)
+            return checkpoint.save_checkpoint(self.path, step, parts, sharded=True, **kwargs)
         if is_rank0():
             try:
-                out = checkpoint.save_checkpoint(self.path, step, **kwargs)
+                out = checkpoint.save_checkpoint(self.path, step, parts, **kwargs)
             except Exception as e:  # a full disk, say: the half-written step goes now, and the space it took
                 checkpoint.clean_partial_saves(self.path)
                 if disk_full(e) and not getattr(e, "filename", None):  # safetensors' error, a write's: name the step
