@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -51,7 +52,7 @@ def demo_checkpoint(work):
     step = checkpoint.latest_checkpoint(run)
     policy, critic = load_model(step), load_score_model(os.path.join(step, "critic"))
     policy_opt, critic_opt = adamw(policy), adamw(critic)
-    moments = checkpoint.load_file(os.path.join(step, "optimizer.safetensors"))
+    moments = load_file(os.path.join(step, "optimizer.safetensors"))
     checkpoint.load_optimizer_tensors(policy_opt, moments, "policy")
     checkpoint.load_optimizer_tensors(critic_opt, moments, "critic")
     state = {k: v for k, v in checkpoint.read_state(step).items()
