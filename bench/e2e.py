@@ -284,7 +284,7 @@ def run_ppo_core(args, paths, precision, side):
     train.build_models, start.make_reward_source = build_models, make_reward_source  # where run() and make_reward_sources look them up
     rollout.sample_responses, rollout.sample_and_score = sample_responses, sample_and_score  # where the rollout looks them up
     train.iteration_rollout, train.ppo_update = iteration_rollout, ppo_update
-    runlog.RunDir.save_checkpoint = lambda self, step, **kwargs: None  # the final save measures the disk
+    runlog.RunDir.save_checkpoint = lambda self, step, parts, **kwargs: None  # the final save measures the disk
 
     dtype = "float32" if precision == "fp32" else "bf16-mixed"
     minibatch = args.batch // args.minibatches

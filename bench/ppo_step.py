@@ -122,7 +122,7 @@ def ppo_iterations(args, ckpt, workdir, device):
     cfg = PPOConfig(**values)
     save = runlog.RunDir.save_checkpoint
     if not args.save:  # see the module docstring: the final checkpoint write measures the disk
-        runlog.RunDir.save_checkpoint = lambda self, step, **kwargs: None
+        runlog.RunDir.save_checkpoint = lambda self, step, parts, **kwargs: None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
