@@ -359,17 +359,18 @@ class GenerateCall:
         sched.after_step(step)
         self.account(batch, n_tokens)
         for i, seq in enumerate(seqs):
+            own = seq.params  # the sequence's settings (the call's: one SamplingParams for all)
             seq.tokens.append(chosen[i])
             seq.mask.append(1)
-            if params.return_logprobs:
+            if own.return_logprobs:
                 seq.logprobs.append(logprobs[i])
-                if params.return_entropy:
+                if own.return_entropy:
                     seq.entropy.append(entropy[i])
             if seq.generated >= seq.max_new:
                 sched.finish(seq)
             elif self.on_turn_end is not None and (chosen[i] in self.stop_ids or (
-                    params.max_turn_tokens is not None
-                    and len(seq.tokens) - seq.turn_start >= params.max_turn_tokens)):
+                    own.max_turn_tokens is not None
+                    and len(seq.tokens) - seq.turn_start >= own.max_turn_tokens)):
                 self.end_turn(seq)
             elif chosen[i] in self.stop_ids:
                 sched.finish(seq)
@@ -418,9 +419,9 @@ class GenerateCall:
         if not parked:
             sched.park(seq)
         sched.resume(seq, list(observation))
-        if self.params.return_logprobs:
+        if seq.params.return_logprobs:
             seq.logprobs += [0.0] * len(observation)
-            seq.entropy += [0.0] * len(observation) if self.params.return_entropy else []
+            seq.entropy += [0.0] * len(observation) if seq.params.return_entropy else []
 
     def collect_answers(self, block):
         """Resume the parked sequences whose futures are done (block: wait for at least one first)."""
