@@ -651,19 +651,23 @@ def packed_attention(q, k, v, seq_lens, window=None, cu_seqlens=None):
     calls = {}  # (length, windowed) -> the first rows of its sequences
     for start, length in zip(starts, seq_lens):
         calls.setdefault((length, window is not None and length > window), []).append(start)
-    rows, outputs = [], []
-    for (length, windowed), firsts in calls.items():
-        index = (torch.tensor(firsts)[:, None] + torch.arange(length)).reshape(-1).to(q.device)  # [G*L]
-        q_g, k_g, v_g = (t.index_select(0, index).unflatten(0, (len(firsts), length)).transpose(1, 2)
-                         for t in (q, k, v))  # [G, nh|nkv, L, hs]
+    # one gather puts each call's rows together, split hands each call its rows: in the backward one cat and one
+    # index_add, where a gather per call would add a zero tensor of the whole pack per call
+    order = torch.cat([(torch.tensor(firsts)[:, None] + torch.arange(length)).reshape(-1)
+                       for (length, _), firsts in calls.items()]).to(q.device)  # [N]
+    sizes = [len(firsts) * length for (length, _), firsts in calls.items()]
+    q_calls, k_calls, v_calls = (t.index_select(0, order).split(sizes) for t in (q, k, v))  # [G*L, nh|nkv, hs]
+    outputs = []
+    for i, ((length, windowed), firsts) in enumerate(calls.items()):
+        q_g, k_g, v_g = (t[i].unflatten(0, (len(firsts), length)).transpose(1, 2)
+                         for t in (q_calls, k_calls, v_calls))  # [G, nh|nkv, L, hs]
         if windowed:
             t = torch.arange(length, device=q.device)
             y = attention(q_g, k_g, v_g, causal_window_mask(t, t, None, window))
         else:
             y = attention(q_g, k_g, v_g, is_causal=True)
-        rows.append(index)
         outputs.append(y.transpose(1, 2).flatten(0, 1))  # [G*L, nh, hs]
-    return torch.cat(outputs).index_select(0, torch.cat(rows).argsort())  # back in the pack's order
+    return torch.cat(outputs).index_select(0, order.argsort())  # back in the pack's order
 
 
 @functools.cache
