@@ -158,9 +158,8 @@ def run(cfg: PPOConfig, resume_from=None):
             # the new weights to the worker (and, one update stale, its next rollout)
             if workers is not None:
                 train_stats.update(workers.after_update(it, state))
-            metrics = iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats,
-                                        opts, m.critic, cfg,
-                                        seconds=(t_roll, t_train, time.perf_counter()))
+            metrics = iteration_metrics(rollout, ended, kl_coef, train_stats, filter_stats, opts,
+                                        cfg, seconds=(t_roll, t_train, time.perf_counter()))
             if cfg.drop_overlong_prompts:
                 metrics["prompts/dropped_overlong"] = s.overlong
             # k1: what the adaptive controller reads (Ziegler et al. 2019)

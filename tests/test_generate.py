@@ -402,6 +402,13 @@ def test_cuda_graph_needs_the_static_cache_on_cuda():
         ppo_core.generate(model, ids, 4, attention_mask=mask, cuda_graph=True)
 
 
+def test_an_unknown_decode_option_is_a_type_error_naming_it():
+    model = tiny("qwen3")
+    ids, mask = prompts()
+    with pytest.raises(TypeError, match="temprature"):
+        ppo_core.generate(model, ids, 4, attention_mask=mask, temprature=0.5)
+
+
 def test_static_cache_stops_at_eos_like_the_dynamic_path():
     """With EOS: the same tokens, pads and log-probs (the static path looks at `done` every 16 steps only)."""
     model = tiny("olmo3")

@@ -130,24 +130,44 @@ def observation_ids(tokenizer, episode: Episode, held_ids, tools, **template_kwa
     return added
 
 
-def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_turn_tokens=None, tools=None, max_workers=8,
-                 template_kwargs=None, name=None, max_observation_chars=0, **sampling):
-    """Play one episode per (env, prompt row) on `engine` (a ppo_core.engine.RolloutEngine). max_new_tokens: each episode's
-    budget of tokens after its prompt (turns and observations); max_turn_tokens: one turn's at most; tools: the tool
-    schemas the chat template renders (None: none); template_kwargs: the template's own switches (Qwen3's
-    enable_thinking); name: the environment's, for a message (config `environment`; default: 'module:Class');
-    max_observation_chars: an observation message's content is cut to that many characters before the template
-    renders it (0: no cap; counted in Episode.observations_truncated); sampling: RolloutEngine.generate's
-    temperature, top_p, top_k, greedy, seed, rows (the noise rows), return_logprobs, return_entropy.
+@dataclass
+class EpisodeSettings:
+    """What shapes a batch of episodes (run_episodes takes these by name, beside the engine's sampling settings).
+
+    max_new_tokens: each episode's budget of tokens after its prompt (turns and observations); max_turn_tokens: one
+    turn's at most (None: until an EOS); tools: the tool schemas the chat template renders (None: none); max_workers:
+    threads stepping the environments; template_kwargs: the template's own switches (Qwen3's enable_thinking); name:
+    the environment's, for a message (config `environment`; None: 'module:Class'); max_observation_chars: an
+    observation message's content is cut to that many characters before the template renders it (0: no cap;
+    counted in Episode.observations_truncated)."""
+    max_new_tokens: int
+    max_turn_tokens: int = None
+    tools: list = None
+    max_workers: int = 8
+    template_kwargs: dict = None
+    name: str = None
+    max_observation_chars: int = 0
+
+
+EPISODE_SETTINGS = frozenset(EpisodeSettings.__dataclass_fields__)
+
+
+def run_episodes(engine, tokenizer, envs, prompt_rows, **options):
+    """Play one episode per (env, prompt row) on `engine` (a ppo_core.engine.RolloutEngine). options: the fields of
+    EpisodeSettings (max_new_tokens is required) and of RolloutEngine.generate's sampling (temperature, top_p, top_k,
+    greedy, seed, rows (the noise rows), return_logprobs, return_entropy), by name.
     -> the Episodes, with (tokens, mask[, logprobs]) filled in, in order. Every call into an environment is checked
     (reset_messages, step_answer): what it raises or returns wrong is a CallbackError of one line naming it."""
+    settings = EpisodeSettings(**{key: options.pop(key) for key in list(options) if key in EPISODE_SETTINGS})
+    sampling = options  # what is left: the engine's sampling settings
     stop_ids = list(tokenizer.eos_token_ids)
-    template_kwargs = template_kwargs or {}
+    template_kwargs = settings.template_kwargs or {}
+    name = settings.name
     episodes = []
     for env, row in zip(envs, prompt_rows):
         name = name or f"{type(env).__module__}:{type(env).__qualname__}"
         messages = reset_messages(env, row, name)
-        prompt_ids = tokenizer.encode(render(tokenizer, messages, tools, **template_kwargs))
+        prompt_ids = tokenizer.encode(render(tokenizer, messages, settings.tools, **template_kwargs))
         episodes.append(Episode(row, env, messages, prompt_ids))
 
     def step(episode, held_ids, turn_ids, last=False):
@@ -162,21 +182,22 @@ def run_episodes(engine, tokenizer, envs, prompt_rows, *, max_new_tokens, max_tu
         if last or done or not observation or (max_turns is not None and episode.turns >= max_turns):
             episode.done = True
             return None
-        observation, cut = capped(observation, max_observation_chars)  # before the tokenizer reads it
+        observation, cut = capped(observation, settings.max_observation_chars)  # before the tokenizer reads it
         episode.observations_truncated += cut
         episode.messages.extend(observation)
-        ids = observation_ids(tokenizer, episode, held_ids, tools, **template_kwargs)
+        ids = observation_ids(tokenizer, episode, held_ids, settings.tools, **template_kwargs)
         episode.stepped += len(ids)
         episode.observation_tokens += len(ids)
         return ids
 
-    with ThreadPoolExecutor(max_workers) as pool:
+    with ThreadPoolExecutor(settings.max_workers) as pool:
         def on_turn_end(index, tokens):
             episode = episodes[index]
             return pool.submit(step, episode, episode.prompt_ids + tokens, tokens[episode.stepped :])
 
-        out = engine.generate([e.prompt_ids for e in episodes], max_new_tokens, eos_token_id=stop_ids,
-                              on_turn_end=on_turn_end, max_turn_tokens=max_turn_tokens, return_mask=True, **sampling)
+        out = engine.generate([e.prompt_ids for e in episodes], settings.max_new_tokens, eos_token_id=stop_ids,
+                              on_turn_end=on_turn_end, max_turn_tokens=settings.max_turn_tokens, return_mask=True,
+                              **sampling)
     tokens, masks = out[0], out[1]
     for i, episode in enumerate(episodes):
         episode.tokens, episode.mask = tokens[i], masks[i]

@@ -32,6 +32,7 @@ Speed on the CPU: float32 models multiply with oneDNN-packed weight copies for t
 bench/generate.py measures it.
 """
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -153,64 +154,67 @@ class CUDAGraphStep:
         return self.logits
 
 
-@torch.no_grad()
-def generate(
-    model: CausalLM,
-    prompt_ids,
-    max_new_tokens,
-    *,
-    attention_mask=None,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    greedy=False,
-    stop_at_eos=True,
-    eos_token_id=None,
-    pad_token_id=None,
-    return_logprobs=False,
-    return_entropy=False,
-    generator=None,
-    cpu_packed_weights=None,
-    global_rows=None,
-    static_cache=None,
-    cuda_graph=False,
-    noise_seed=None,
-):
-    """Sample up to `max_new_tokens` after each prompt.
+@dataclass
+class DecodeOptions:
+    """How `generate` samples and decodes (it takes these by name; the defaults are these).
 
-    prompt_ids: [B, P] int64, left-padded; attention_mask: [B, P] (1 = real token).
-    Returns tokens [B, max_new_tokens] int64, or (tokens, logprobs [B, max_new_tokens] float32) where
-    logprobs are log softmax(logits / temperature) of the chosen token before top-k/top-p filtering
-    (0 after EOS). The PPO loop does not use them as old log-probs: it recomputes those with the
-    training code path so that the first ratio is exactly 1, unless the run sets old_logprobs_from_rollout.
-    return_entropy (with return_logprobs): also the entropy [B, max_new_tokens] float32 of that distribution
-    (0 after EOS): -> (tokens, logprobs, entropy).
-
+    temperature, top_p, top_k, greedy: the sampling (greedy: argmax). stop_at_eos: a row stops at its first
+    eos_token_id: an id, a list/tuple of ids (a row stops at the first token that is any of them), or None (never
+    stop). pad_token_id: what fills a row after its EOS; None = the first EOS id (0 without one).
+    return_logprobs: also log softmax(logits / temperature) of each chosen token before top-k/top-p filtering (0 after
+    EOS); return_entropy (with return_logprobs): also the entropy of that distribution (0 after EOS).
+    generator: the torch.Generator of the sampling noise.
     cpu_packed_weights: multiply with oneDNN-packed weight copies while generating (model.cpu_packed_linears):
     ~2x faster decoding on the CPU, same tokens, a second copy of the weights for the duration of the call.
-    None (default) = on for float32 models on the CPU.
+    None = on for float32 models on the CPU.
     global_rows: (offset, global_batch) when these B prompts are rows offset..offset+B of a batch of
     global_batch split over processes: each step draws global_batch uniforms and uses this slice.
     static_cache: decode with the fixed-shape step `model.decode_step` (see the module docstring).
-    None (default) = on except on the CPU, where attending over the filled slots only is faster for long
+    None = on except on the CPU, where attending over the filled slots only is faster for long
     responses after short prompts.
     cuda_graph: capture that step as a CUDA graph (CUDAGraphStep); needs static_cache on a CUDA device.
     noise_seed: draw the sampling noise with `counter_uniforms(noise_seed, row, token index)` instead of `generator`
-    (rows numbered from global_rows' offset): the noise of the rollout engine (ppo_core.engine), for comparisons.
-    eos_token_id: an id, a list/tuple of ids (a row stops at the first token that is any of them), or None (never
-    stop). pad_token_id: what fills a row after its EOS; None = the first EOS id (0 without one).
+    (rows numbered from global_rows' offset): the noise of the rollout engine (ppo_core.engine), for comparisons."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop_at_eos: bool = True
+    eos_token_id: object = None
+    pad_token_id: int = None
+    return_logprobs: bool = False
+    return_entropy: bool = False
+    generator: object = None
+    cpu_packed_weights: bool = None
+    global_rows: tuple = None
+    static_cache: bool = None
+    cuda_graph: bool = False
+    noise_seed: int = None
+
+
+@torch.no_grad()
+def generate(model: CausalLM, prompt_ids, max_new_tokens, *, attention_mask=None, **options):
+    """Sample up to `max_new_tokens` after each prompt.
+
+    prompt_ids: [B, P] int64, left-padded; attention_mask: [B, P] (1 = real token); options: the fields of
+    DecodeOptions, by name (an unknown one is a TypeError).
+    Returns tokens [B, max_new_tokens] int64, or (tokens, logprobs [B, max_new_tokens] float32) with return_logprobs,
+    (tokens, logprobs, entropy) with return_entropy too. The PPO loop does not use these log-probs as old log-probs:
+    it recomputes those with the training code path so that the first ratio is exactly 1, unless the run sets
+    old_logprobs_from_rollout.
     """
+    o = DecodeOptions(**options)
     B, P = prompt_ids.shape
     device = prompt_ids.device
-    if eos_token_id is None:
+    if o.eos_token_id is None:
         stop_ids = []
-    elif isinstance(eos_token_id, (list, tuple)):
-        stop_ids = [int(i) for i in eos_token_id]
+    elif isinstance(o.eos_token_id, (list, tuple)):
+        stop_ids = [int(i) for i in o.eos_token_id]
     else:
-        stop_ids = [int(eos_token_id)]
+        stop_ids = [int(o.eos_token_id)]
     if not stop_ids:
-        stop_at_eos = False
-    pad = pad_token_id if pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+        o.stop_at_eos = False
+    pad = o.pad_token_id if o.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     eos_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)  # [E], made once for torch.isin below
     # under autocast, k, v come out of autocast's matmuls in its dtype: the cache keeps them so on a GPU; under CPU
     # autocast attention computes in float32 (model.attention), so the cache is float32 (no per-step upcast of it)
@@ -220,59 +224,59 @@ def generate(
         cache_dtype = autocast_dtype(device.type) or next(model.parameters()).dtype
     cache = KVCache(model.args, B, P + max_new_tokens, device, cache_dtype)
 
-    if cpu_packed_weights is None:
-        cpu_packed_weights = can_pack_for_cpu(model)
-    if static_cache is None:
-        static_cache = device.type != "cpu"
-    if cuda_graph and not (static_cache and device.type == "cuda"):
+    if o.cpu_packed_weights is None:
+        o.cpu_packed_weights = can_pack_for_cpu(model)
+    if o.static_cache is None:
+        o.static_cache = device.type != "cpu"
+    if o.cuda_graph and not (o.static_cache and device.type == "cuda"):
         raise ValueError("generate: cuda_graph=True needs static_cache=True and a CUDA device, "
-                         f"got static_cache={static_cache} on {device}")
+                         f"got static_cache={o.static_cache} on {device}")
     # On a GPU, reading `done` on the host is a synchronisation: the static path looks only every 16 steps
     # (tokens past a row's EOS are overwritten with the pad id either way).
-    eos_check_every = 16 if static_cache else 1
+    eos_check_every = 16 if o.static_cache else 1
 
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-    entropy = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if return_entropy else None
+    entropy = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if o.return_entropy else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    with cpu_packed_linears(model, B) if cpu_packed_weights else nullcontext():
+    with cpu_packed_linears(model, B) if o.cpu_packed_weights else nullcontext():
         # Prefill: the whole prompt at once; only the last position needs logits.
         hidden = model(prompt_ids, attention_mask, cache=cache, return_hidden=True)[:, -1:]  # [B, 1, H]
         logits = model.lm_head(hidden)  # [B, 1, V]
-        if cuda_graph:
+        if o.cuda_graph:
             decode = CUDAGraphStep(model, cache)
-        elif static_cache:
+        elif o.static_cache:
             decode = lambda ids: model.decode_step(ids, cache)  # noqa: E731
         else:  # one new token per row, always a real one (ignored after EOS): no mask needed
             decode = lambda ids: model(ids, None, cache=cache)  # noqa: E731
         for t in range(max_new_tokens):
             logits = logits[:, -1].float()  # [B, V]
-            if greedy:
+            if o.greedy:
                 next_tok = logits.argmax(-1)
             else:
-                scaled = filter_logits(logits / temperature, top_k, top_p)
+                scaled = filter_logits(logits / o.temperature, o.top_k, o.top_p)
                 probs = scaled.softmax(-1)
-                if noise_seed is not None:
-                    first_row = global_rows[0] if global_rows is not None else 0
-                    uniforms = counter_uniforms(noise_seed, torch.arange(first_row, first_row + B, device=device), t)
-                elif global_rows is None:
-                    uniforms = torch.rand(B, generator=generator, device=device)
+                if o.noise_seed is not None:
+                    first_row = o.global_rows[0] if o.global_rows is not None else 0
+                    uniforms = counter_uniforms(o.noise_seed, torch.arange(first_row, first_row + B, device=device), t)
+                elif o.global_rows is None:
+                    uniforms = torch.rand(B, generator=o.generator, device=device)
                 else:  # these rows are rows offset.. of a global batch: draw its noise, keep our slice
-                    offset, global_batch = global_rows
-                    uniforms = torch.rand(global_batch, generator=generator, device=device)[offset : offset + B]
+                    offset, global_batch = o.global_rows
+                    uniforms = torch.rand(global_batch, generator=o.generator, device=device)[offset : offset + B]
                 next_tok = sample_from_probs(probs, uniforms)
-            if return_logprobs:
-                lp = torch.log_softmax(logits / (1.0 if greedy else temperature), -1)
+            if o.return_logprobs:
+                lp = torch.log_softmax(logits / (1.0 if o.greedy else o.temperature), -1)
                 logprobs[:, t] = lp.gather(-1, next_tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
-                if return_entropy:
+                if o.return_entropy:
                     entropy[:, t] = -(lp.exp() * lp).sum(-1).masked_fill(done, 0.0)
             tokens[:, t] = next_tok.masked_fill(done, pad)
-            if stop_at_eos:  # outside the decode step (and its CUDA graph): an eager isin against [E] ids
+            if o.stop_at_eos:  # outside the decode step (and its CUDA graph): an eager isin against [E] ids
                 done = done | torch.isin(next_tok, eos_ids)
                 if (t + 1) % eos_check_every == 0 and bool(done.all()):
                     break
             if t + 1 < max_new_tokens:
                 logits = decode(next_tok[:, None])  # [B, 1, V]
-    if return_entropy and return_logprobs:
+    if o.return_entropy and o.return_logprobs:
         return tokens, logprobs, entropy
-    return (tokens, logprobs) if return_logprobs else tokens
+    return (tokens, logprobs) if o.return_logprobs else tokens

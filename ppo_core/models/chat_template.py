@@ -503,12 +503,12 @@ def _prepare(messages):
 
 
 def render_chat_template(template: str, messages, *, add_generation_prompt=False, continue_final_message=False,
-                         tools=None, documents=None, special_tokens=None, where=None,
-                         **template_kwargs) -> str:
+                         tools=None, special_tokens=None, where=None, **template_kwargs) -> str:
     """One conversation (a list of {"role", "content", ...} dicts) -> the prompt text.
 
     special_tokens: {"bos_token": ..., "eos_token": ...} as the tokenizer names them; template_kwargs: any
-    other template variable (enable_thinking=False, ...). continue_final_message: leave the last message
+    other template variable (documents=[...], enable_thinking=False, ...; documents is None when not given, as in
+    transformers, the others undefined). continue_final_message: leave the last message
     open (True, or the name of the field to continue), as transformers does. where: the template's file (and
     key), named by a ChatTemplateError when the render goes past its bounds."""
     if continue_final_message and add_generation_prompt:
@@ -540,6 +540,7 @@ def render_chat_template(template: str, messages, *, add_generation_prompt=False
         else:
             for f in fields:
                 chat[-1][f] = chat[-1][f] + tag
+    documents = template_kwargs.pop("documents", None)
     variables = {**(special_tokens or {}), **_plain(template_kwargs)}
     text = render_bounded(compile_chat_template(template), dict(
         messages=chat, tools=_plain(tools), documents=_plain(documents), add_generation_prompt=add_generation_prompt,

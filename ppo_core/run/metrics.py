@@ -3,15 +3,15 @@ iteration (every metric and what it means: docs/metrics.md), run_summary is summ
 import os
 
 from .. import algo
-from ..config import PPOConfig
+from ..config import PPOConfig, uses_critic
 from ..models import distributed as dist
 
 
-def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, opts, critic,
-                      cfg: PPOConfig, seconds):
-    """Iteration `it`'s line of metrics.jsonl, over the global batch (every process's rows
-    gathered). seconds: the time.perf_counter() readings at the rollout's start, the update's start
-    and its end."""
+def iteration_metrics(rollout, ended, kl_coef, train_stats, filter_stats, opts, cfg: PPOConfig,
+                      seconds):
+    """The line of metrics.jsonl of the iteration `opts` (the Optimizers) is in, over the global
+    batch (every process's rows gathered). seconds: the time.perf_counter() readings at the
+    rollout's start, the update's start and its end."""
     t_roll, t_train, t_end = seconds
     generate_s = filter_stats.pop("time/generate_s")
     mask = dist.all_gather_rows(rollout.response_mask)
@@ -28,7 +28,7 @@ def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, op
         distill["distill/reverse_kl"] = algo.masked_mean(algo.kl_estimate(old_lp, teacher_lp, "k1"),
                                                          mask).item()
     metrics = {
-        "step": it + 1,
+        "step": opts.iteration,
         "reward/mean": scores.mean().item(),
         "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
         "kl/mean": algo.masked_mean(kl_tok, mask).item(),
@@ -54,7 +54,7 @@ def iteration_metrics(it, rollout, ended, kl_coef, train_stats, filter_stats, op
         "time/train_s": t_end - t_train,
         "tokens_per_s": mask.sum().item() / max(t_end - t_roll, 1e-9),
     }
-    if critic is not None:
+    if uses_critic(cfg):
         metrics["value/explained_var"] = algo.explained_variance(
             dist.all_gather_rows(rollout.old_values), returns, mask)
     return metrics
