@@ -340,7 +340,7 @@ def test_packed_activations_by_hand(checkpointing):
              "critic": 2 * N * H}  # the score head's packed [N, H] input
     transients = {"policy": plan.logprob_backward_bytes(M * R, args.vocab_size, H), "critic": 0}
     for role in ("policy", "critic"):
-        got = plan.training_activations(args, role, M, P, R, tokens=N, checkpointing=checkpointing)
+        got = plan.training_activations(args, role, plan.MicroBatch(M, P, R, tokens=N), checkpointing=checkpointing)
         layer_transient = 2 * 2 * N * I  # the gradients of silu(gate) and up
         if checkpointing:
             kept = L * 2 * N * H + once + heads[role]  # each block's input
@@ -361,8 +361,9 @@ def test_packing_the_padded_micro_batchs_tokens_plans_the_same_but_the_ids():
     M, P, R = 8, 512, 1024
     for role in ("policy", "critic"):
         for checkpointing in (False, True):
-            padded = plan.training_activations(args, role, M, P, R, checkpointing=checkpointing)
-            packed = plan.training_activations(args, role, M, P, R, tokens=M * (P + R), checkpointing=checkpointing)
+            padded = plan.training_activations(args, role, plan.MicroBatch(M, P, R), checkpointing=checkpointing)
+            packed = plan.training_activations(args, role, plan.MicroBatch(M, P, R, M * (P + R)),
+                                               checkpointing=checkpointing)
             assert padded["saved"] - packed["saved"] == 8 * M * P
             assert padded["peak"] - packed["peak"] == 8 * M * P
     cfg = dict(architectures=["Olmo3ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -370,8 +371,8 @@ def test_packing_the_padded_micro_batchs_tokens_plans_the_same_but_the_ids():
                sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     olmo = ModelArgs.from_hf_config(cfg)
     M, P, R = 4, 16, 16
-    padded = plan.training_activations(olmo, "critic", M, P, R)
-    packed = plan.training_activations(olmo, "critic", M, P, R, tokens=M * (P + R))
+    padded = plan.training_activations(olmo, "critic", plan.MicroBatch(M, P, R))
+    packed = plan.training_activations(olmo, "critic", plan.MicroBatch(M, P, R, M * (P + R)))
     masked = 2 * 2 * M * (P + R) * (4 - 1) * 16 + 2 * (P + R) ** 2  # K, V repeated to 4 heads; the [T, T] bias
     assert padded["saved"] - packed["saved"] == masked + 8 * M * P
     assert plan.forward_working_set(olmo, 1, 128, packed=True) < plan.forward_working_set(olmo, 1, 128)
@@ -384,12 +385,12 @@ def test_a_token_budget_plans_the_budget_and_the_sequences_it_holds(capsys):
     args = ModelArgs.from_hf_config(json.load(open(config("Qwen3-0.6B"))))
     assert result["micro_batch_tokens"] == 16384 and result["micro_batch"] == 16384 // 1536 == 10
     for role in ("policy", "critic"):
-        by_formula = plan.training_activations(args, role, 10, 512, 1024, tokens=16384)
+        by_formula = plan.training_activations(args, role, plan.MicroBatch(10, 512, 1024, 16384))
         assert result["roles"][role]["activation_gb"] * 1e9 == pytest.approx(by_formula["peak"], rel=1e-12)
     assert result["scoring_working_set_gb"] * 1e9 == pytest.approx(plan.forward_working_set(args, 1, 16384), rel=1e-12)
     # a budget below one sequence: each runs alone, a micro-batch of P + R tokens
     short = run_json(capsys, *base, "--micro-batch-tokens", "1000")
-    alone = plan.training_activations(args, "policy", 1, 512, 1024, tokens=1536)
+    alone = plan.training_activations(args, "policy", plan.MicroBatch(1, 512, 1024, 1536))
     assert short["micro_batch"] == 1 and short["roles"]["policy"]["activation_gb"] * 1e9 == pytest.approx(alone["peak"])
     # the padded plan says 0
     assert run_json(capsys, *base)["micro_batch_tokens"] == 0
@@ -596,6 +597,7 @@ SCALED = dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, intermediate_
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=True,
               max_position_embeddings=256)
 SCALED_SHAPE = dict(M=8, P=64, R=64)
+FLOAT32 = plan.ElementBytes(act=4, fp32=4)  # a float32 model's activations on the CPU
 
 
 def _measure_in_fresh_process():
@@ -627,8 +629,8 @@ def test_activation_estimate_within_25_percent_of_measured_peak():
         measured = runs[("packed " if packed else "") + str(checkpointing)]
         for role in ("policy", "critic"):
             tokens = measured[role]["tokens"] if packed else 0
-            estimate = plan.training_activations(args, role, **SCALED_SHAPE, tokens=tokens, act=4, fp32=4,
-                                                 backend="torch", checkpointing=checkpointing)
+            estimate = plan.training_activations(args, role, plan.MicroBatch(**SCALED_SHAPE, tokens=tokens),
+                                                 sizes=FLOAT32, backend="torch", checkpointing=checkpointing)
             ratio = estimate["peak"] / measured[role]["peak"]
             report.append(f"{role} {'packed' if packed else 'padded'} ckpt={checkpointing}: "
                           f"estimated {estimate['peak'] / 1e6:.1f} MB, "
@@ -651,7 +653,8 @@ def test_activation_estimate_of_the_default_job():
     finally:
         torch.set_num_threads(threads)
     for role in ("policy", "critic"):
-        estimate = plan.training_activations(policy.args, role, M, P, R, act=4, fp32=4, backend="torch")
+        estimate = plan.training_activations(policy.args, role, plan.MicroBatch(M, P, R), sizes=FLOAT32,
+                                             backend="torch")
         assert estimate["saved"] == pytest.approx(measured[role]["saved"], rel=0.05), (role, estimate, measured)
 
 
@@ -670,7 +673,7 @@ def test_activation_estimate_with_sliding_windows_shorter_than_the_sequence():
     M, P, R = 4, 16, 16
     measured = measure(CausalLM(args), ScoreModel(args), M, P, R)
     for role in ("policy", "critic"):
-        estimate = plan.training_activations(args, role, M, P, R, act=4, fp32=4, backend="torch")
+        estimate = plan.training_activations(args, role, plan.MicroBatch(M, P, R), sizes=FLOAT32, backend="torch")
         assert estimate["saved"] == pytest.approx(measured[role]["saved"], rel=0.01), (role, estimate, measured)
 
 

@@ -228,15 +228,34 @@ def logprob_backward_bytes(n_rows, vocab, hidden, *, act=2, grad_bytes=4, head_t
     return workspace + dh + slab + dw
 
 
-def training_activations(args: ModelArgs, role, M, P, R, *, tokens=0, act=2, fp32=4, lora_rank=0, checkpointing=False,
-                         grad_bytes=4, backend="triton") -> dict:
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """One training micro-batch: M sequences of P prompt and R response tokens; tokens = 0: M padded rows of P + R
+    tokens; tokens > 0: packed, the sequences' real tokens, `tokens` in all, run concatenated (ppo_core.data.packing)
+    and their response hidden states are laid out [M, R, H] again for the policy's head."""
+    M: int
+    P: int
+    R: int
+    tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementBytes:
+    """Bytes of one element: of an activation (act), of the norms' float copy (fp32), of a gradient (grad)."""
+    act: int = 2
+    fp32: int = 4
+    grad: int = 4
+
+
+def training_activations(args: ModelArgs, role, batch: MicroBatch, *, sizes=ElementBytes(), lora_rank=0,
+                         checkpointing=False, backend="triton") -> dict:
     """Bytes of one training micro-batch's activations for `role` ("policy" or "critic"): saved, transient, peak.
 
-    The formulas of the module docstring; act = bytes of an activation, fp32 = bytes of the norms' float copy.
-    tokens = 0: M padded rows of P + R tokens. tokens > 0: a packed micro-batch, M sequences whose real tokens,
-    `tokens` in all, run concatenated (ppo_core.data.packing) and whose response hidden states are laid out [M, R, H]
-    again for the policy's head. backend "torch" is what CPU tensors run: the chunked log-prob path and, packed,
-    attention one sequence at a time, whose outputs are concatenated (a N Dq more per block than one kernel)."""
+    The formulas of the module docstring. backend "torch" is what CPU tensors run: the chunked log-prob path and,
+    packed, attention one sequence at a time, whose outputs are concatenated (a N Dq more per block than one
+    kernel)."""
+    M, P, R, tokens = batch.M, batch.P, batch.R, batch.tokens
+    act, fp32 = sizes.act, sizes.fp32
     H, I, L, hs = args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.head_dim
     nh, nkv, V = args.num_attention_heads, args.num_key_value_heads, args.vocab_size
     T = P + R
@@ -270,7 +289,7 @@ def training_activations(args: ModelArgs, role, M, P, R, *, tokens=0, act=2, fp3
     if role == "policy":
         # packed too, the head reads [M, R, H]: unpack_rows lays the hidden states out per sequence again
         head = act * M * R * H
-        head_transient = logprob_backward_bytes(M * R, V, H, act=act, grad_bytes=grad_bytes,
+        head_transient = logprob_backward_bytes(M * R, V, H, act=act, grad_bytes=sizes.grad,
                                                 head_trainable=lora_rank == 0, backend=backend)
     else:  # the score head's input: every token, [M, T, H] or packed [N, H]
         head, head_transient = act * N * H, 0
@@ -431,9 +450,9 @@ def plan(policy, critic="", reference="", reward_model="", teacher="", **shape) 
         if role == "reference" and shared_base:
             entry["note"] = "the policy's frozen base with adapters disabled: no second copy"
         if trainable:
-            acts = training_activations(shape["args"], role, M, P, R, tokens=N if micro_batch_tokens else 0,
-                                        lora_rank=lora_rank, checkpointing=activation_checkpointing,
-                                        grad_bytes=2 if fsdp else 4)
+            acts = training_activations(shape["args"], role, MicroBatch(M, P, R, N if micro_batch_tokens else 0),
+                                        sizes=ElementBytes(grad=2 if fsdp else 4), lora_rank=lora_rank,
+                                        checkpointing=activation_checkpointing)
             entry.update(activation_gb=acts["peak"] / GB, activation_saved_gb=acts["saved"] / GB,
                          activation_transient_gb=acts["transient"] / GB)
         if role == "policy" and rollout_engine == "padded":
