@@ -158,9 +158,9 @@ class CUDAGraphStep:
 class DecodeOptions:
     """How `generate` samples and decodes (it takes these by name; the defaults are these).
 
-    temperature, top_p, top_k, greedy: the sampling (greedy: argmax). stop_at_eos: a row stops at its first
-    eos_token_id: an id, a list/tuple of ids (a row stops at the first token that is any of them), or None (never
-    stop). pad_token_id: what fills a row after its EOS; None = the first EOS id (0 without one).
+    temperature, top_p, top_k, greedy: the sampling (greedy: argmax). eos_token_id: an id, a list/tuple of ids, or
+    None; stop_at_eos: a row stops at the first token that is any of them (never without one). pad_token_id: what
+    fills a row after its EOS; None = the first EOS id (0 without one).
     return_logprobs: also log softmax(logits / temperature) of each chosen token before top-k/top-p filtering (0 after
     EOS); return_entropy (with return_logprobs): also the entropy of that distribution (0 after EOS).
     generator: the torch.Generator of the sampling noise.

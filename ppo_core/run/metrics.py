@@ -9,9 +9,9 @@ from ..models import distributed as dist
 
 def iteration_metrics(rollout, ended, kl_coef, train_stats, filter_stats, opts, cfg: PPOConfig,
                       seconds):
-    """The line of metrics.jsonl of the iteration `opts` (the Optimizers) is in, over the global
-    batch (every process's rows gathered). seconds: the time.perf_counter() readings at the
-    rollout's start, the update's start and its end."""
+    """This iteration's line of metrics.jsonl, over the global batch (every process's rows
+    gathered); its step is opts.iteration (the Optimizers count iterations from 1). seconds: the
+    time.perf_counter() readings at the rollout's start, the update's start and its end."""
     t_roll, t_train, t_end = seconds
     generate_s = filter_stats.pop("time/generate_s")
     mask = dist.all_gather_rows(rollout.response_mask)
